@@ -1,0 +1,44 @@
+# The README's two commands: `make test` and `make demo`. Each creates or reuses .venv/ and
+# installs what it needs: CPU torch 2.13.0 on a machine without CUDA (pinned so pip never pulls
+# the multi-GB CUDA build), the build the node already has where nvidia-smi answers.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.forage-installed
+TORCH_CPU := torch==2.13.0
+
+.PHONY: install test test-fast lint demo bench proto clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
+		echo "CUDA device found: installing the default torch build"; \
+		$(BIN)/python -m pip install -q torch; \
+	else \
+		echo "no CUDA device: installing CPU $(TORCH_CPU)"; \
+		$(BIN)/python -m pip install -q $(TORCH_CPU); \
+	fi
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check services tests bench
+
+test: $(STAMP)
+	$(BIN)/ruff check services tests bench
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+demo: $(STAMP)
+	$(BIN)/forage demo
+
+proto: $(STAMP)
+	$(BIN)/python -m services.common.proto_build
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

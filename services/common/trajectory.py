@@ -1,0 +1,116 @@
+"""The records that travel between services (DESIGN.md 3.3).
+
+Token arrays are numpy arrays (int32 ids, uint8 loss mask, float32 log-probs) so that the codec
+can move them as raw little-endian bytes and consumers can use them without a Python-list
+detour. `rollout_logprobs` has one entry per response token; observation tokens carry 0.0 there
+(their loss_mask is 0, so the value is never used).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+Action = Literal["search", "answer", "invalid", "none"]
+FinishReason = Literal["answer", "max_turns", "length", "error"]
+ACTIONS: tuple[str, ...] = ("search", "answer", "invalid", "none")
+FINISH_REASONS: tuple[str, ...] = ("answer", "max_turns", "length", "error")
+
+Messages = list[dict[str, str]]
+
+
+def int_array(values: Any) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(values, dtype=np.int32).reshape(-1))
+
+
+def mask_array(values: Any) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(values, dtype=np.uint8).reshape(-1))
+
+
+def float_array(values: Any) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(values, dtype=np.float32).reshape(-1))
+
+
+@dataclass
+class PromptGroup:
+    """One prompt to be sampled `n` times; all samples share `uid` (the GRPO group)."""
+
+    uid: str
+    data_source: str
+    prompt: Messages | str
+    ground_truth: Any
+    n: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+    policy_version_min: int = 0
+    # "train" groups feed the learner; "eval" groups are greedy evaluation passes.
+    kind: Literal["train", "eval"] = "train"
+    # Per-group sampling overrides (temperature, top_p, top_k, max_turns, ...).
+    sampling: dict[str, float] = field(default_factory=dict)
+    # How many times the learner has issued this group (re-issues after a timeout count up).
+    attempt: int = 0
+
+
+@dataclass
+class Turn:
+    """One generation step of a trajectory: response tokens [start, end) and what it did."""
+
+    start: int
+    end: int
+    action: Action
+    query: str | None = None
+    policy_version: int = 0
+
+
+@dataclass
+class Probe:
+    """Faithfulness-probe completions: `samples[k]` are the completions at `fractions[k]`."""
+
+    fractions: list[float]
+    samples: list[list[str]]
+
+
+@dataclass
+class Trajectory:
+    uid: str
+    sample_id: str
+    data_source: str
+    policy_version: int
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    loss_mask: np.ndarray
+    rollout_logprobs: np.ndarray
+    turns: list[Turn] = field(default_factory=list)
+    finish_reason: FinishReason = "answer"
+    num_searches: int = 0
+    ground_truth: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    probe: Probe | None = None
+    kind: Literal["train", "eval"] = "train"
+    # Set when finish_reason == "error": what went wrong (e.g. retriever unreachable).
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = int_array(self.prompt_ids)
+        self.response_ids = int_array(self.response_ids)
+        self.loss_mask = mask_array(self.loss_mask)
+        self.rollout_logprobs = float_array(self.rollout_logprobs)
+
+    @property
+    def num_invalid(self) -> int:
+        return sum(1 for turn in self.turns if turn.action == "invalid")
+
+    @property
+    def num_policy_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+@dataclass
+class ScoredTrajectory:
+    """A trajectory with its reward; `reward_components` keeps every reward function's value."""
+
+    trajectory: Trajectory
+    reward: float
+    reward_components: dict[str, float] = field(default_factory=dict)
+    probe_scores: list[float] | None = None

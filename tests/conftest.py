@@ -1,0 +1,33 @@
+"""Shared fixtures: a real Redis (REDIS_URL, 127.0.0.1:6379, else an embedded server)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """URL of a real Redis server for the whole test session."""
+    from services.common.redis_server import ensure_redis
+
+    server = ensure_redis(os.environ.get("REDIS_URL"), allow_embedded=True)
+    os.environ.setdefault("REDIS_URL", server.url)
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture()
+def namespace(redis_url: str) -> str:
+    """A fresh stream namespace for one test; its keys are deleted afterwards."""
+    import redis
+
+    ns = f"test-{uuid.uuid4().hex[:10]}"
+    yield ns
+    client = redis.Redis.from_url(redis_url)
+    keys = list(client.scan_iter(match=f"{ns}:*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
