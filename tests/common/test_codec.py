@@ -1,0 +1,244 @@
+"""Codec round trips (property tests) and every way a payload can be wrong."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.common.codec import (
+    SCHEMA_SCORED,
+    SCHEMA_TRAJECTORY,
+    CodecError,
+    decode,
+    decode_as,
+    encode,
+)
+from services.common.trajectory import (
+    Probe,
+    PromptGroup,
+    ScoredTrajectory,
+    Trajectory,
+    Turn,
+)
+
+text = st.text(max_size=40)
+json_leaf = st.none() | st.booleans() | st.integers(-(2**31), 2**31) | text
+json_value = st.recursive(
+    json_leaf,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(text, children, max_size=4),
+    max_leaves=12,
+)
+messages = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": text}),
+    min_size=1,
+    max_size=3,
+)
+
+
+@st.composite
+def trajectories(draw) -> Trajectory:
+    length = draw(st.integers(0, 64))
+    response = draw(st.lists(st.integers(0, 2**31 - 1), min_size=length, max_size=length))
+    mask = draw(st.lists(st.integers(0, 1), min_size=length, max_size=length))
+    logprobs = draw(
+        st.lists(
+            st.floats(-50, 0, allow_nan=False, width=32), min_size=length, max_size=length
+        )
+    )
+    cuts = sorted(draw(st.lists(st.integers(0, length), max_size=4)))
+    turns = [
+        Turn(
+            start=a,
+            end=b,
+            action=draw(st.sampled_from(["search", "answer", "invalid", "none"])),
+            query=draw(st.none() | text),
+            policy_version=draw(st.integers(0, 1000)),
+        )
+        for a, b in zip([0, *cuts], cuts, strict=False)
+    ]
+    num_fractions = draw(st.integers(0, 3))
+    probe = draw(
+        st.none()
+        | st.just(
+            Probe(
+                fractions=[k / max(num_fractions - 1, 1) for k in range(num_fractions)],
+                samples=[draw(st.lists(text, max_size=3)) for _ in range(num_fractions)],
+            )
+        )
+    )
+    return Trajectory(
+        uid=draw(text),
+        sample_id=draw(text),
+        data_source=draw(st.sampled_from(["nq", "synth_single", "countdown"])),
+        policy_version=draw(st.integers(0, 10**6)),
+        prompt_ids=draw(st.lists(st.integers(0, 2**31 - 1), max_size=32)),
+        response_ids=response,
+        loss_mask=mask,
+        rollout_logprobs=logprobs,
+        turns=turns,
+        finish_reason=draw(st.sampled_from(["answer", "max_turns", "length", "error"])),
+        num_searches=draw(st.integers(0, 10)),
+        ground_truth=draw(json_value),
+        extra=draw(st.dictionaries(text, json_value, max_size=3)),
+        probe=probe,
+        kind=draw(st.sampled_from(["train", "eval"])),
+        error=draw(st.none() | text),
+    )
+
+
+def assert_same_trajectory(a: Trajectory, b: Trajectory) -> None:
+    for name in ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs"):
+        left, right = getattr(a, name), getattr(b, name)
+        assert left.dtype == right.dtype, name
+        np.testing.assert_array_equal(left, right, err_msg=name)
+    for name in (
+        "uid", "sample_id", "data_source", "policy_version", "turns", "finish_reason",
+        "num_searches", "ground_truth", "extra", "probe", "kind", "error",
+    ):
+        assert getattr(a, name) == getattr(b, name), name
+
+
+@settings(max_examples=150, deadline=None)
+@given(trajectories())
+def test_trajectory_round_trip(traj: Trajectory) -> None:
+    decoded = decode_as(encode(traj), Trajectory)
+    assert_same_trajectory(traj, decoded)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    trajectories(),
+    st.floats(-10, 10, allow_nan=False),
+    st.dictionaries(st.text(max_size=10), st.floats(-5, 5, allow_nan=False), max_size=3),
+    st.none() | st.lists(st.floats(0, 1), max_size=6),
+)
+def test_scored_round_trip(traj, reward, components, probe_scores) -> None:
+    scored = ScoredTrajectory(traj, reward, components, probe_scores)
+    decoded = decode_as(encode(scored), ScoredTrajectory)
+    assert_same_trajectory(traj, decoded.trajectory)
+    assert decoded.reward == reward
+    assert decoded.reward_components == components
+    assert decoded.probe_scores == probe_scores
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.text(min_size=1, max_size=20),
+    messages | text,
+    json_value,
+    st.integers(1, 64),
+    st.dictionaries(text, json_value, max_size=3),
+    st.integers(0, 100),
+    st.sampled_from(["train", "eval"]),
+    st.dictionaries(st.sampled_from(["temperature", "top_p", "max_turns"]), st.floats(0, 2)),
+)
+def test_prompt_group_round_trip(uid, prompt, truth, n, extra, version, kind, sampling) -> None:
+    group = PromptGroup(uid, "nq", prompt, truth, n, extra, version, kind, sampling, attempt=2)
+    assert decode_as(encode(group), PromptGroup) == group
+
+
+def test_nan_reward_survives_round_trip() -> None:
+    """A reward function that returned None becomes NaN (TRL's convention) and must travel."""
+    traj = _trajectory()
+    decoded = decode_as(encode(ScoredTrajectory(traj, float("nan"))), ScoredTrajectory)
+    assert math.isnan(decoded.reward)
+
+
+def test_token_arrays_travel_as_little_endian_bytes() -> None:
+    traj = _trajectory(response=[1, 2, 258], logprobs=[-0.5, 0.0, -1.25])
+    body = msgpack.unpackb(encode(traj), raw=False)
+    assert body["schema"] == SCHEMA_TRAJECTORY
+    assert body["response_ids"] == np.array([1, 2, 258], dtype="<i4").tobytes()
+    assert body["rollout_logprobs"] == np.array([-0.5, 0.0, -1.25], dtype="<f4").tobytes()
+    assert isinstance(body["loss_mask"], bytes)
+
+
+def _trajectory(response=(5, 6, 7), mask=(1, 0, 1), logprobs=(-1.0, 0.0, -2.0)) -> Trajectory:
+    return Trajectory(
+        uid="g1",
+        sample_id="g1-0",
+        data_source="nq",
+        policy_version=3,
+        prompt_ids=[1, 2],
+        response_ids=list(response),
+        loss_mask=list(mask),
+        rollout_logprobs=list(logprobs),
+        turns=[Turn(0, len(response), "answer")],
+        ground_truth={"target": ["x"]},
+    )
+
+
+def _mutated(change) -> bytes:
+    body = msgpack.unpackb(encode(_trajectory()), raw=False)
+    change(body)
+    return msgpack.packb(body, use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (b"\xc1\xff garbage", "not a msgpack payload"),
+        (b"", "not a msgpack payload"),
+        (msgpack.packb([1, 2, 3]), "must be a map"),
+        (msgpack.packb({"schema": "forage.trajectory/99"}), "unknown schema"),
+        (msgpack.packb({"uid": "x"}), "unknown schema"),
+        (_mutated(lambda b: b.update(loss_mask=b"\x01\x01")), "loss_mask has 2 entries"),
+        (_mutated(lambda b: b.update(rollout_logprobs=b"\x00" * 4)), "rollout_logprobs has 1"),
+        (_mutated(lambda b: b.update(response_ids=b"\x00" * 5)), "not a multiple of 4"),
+        (_mutated(lambda b: b.update(response_ids=[1, 2, 3])), "'response_ids' must be raw bytes"),
+        (_mutated(lambda b: b.update(uid=5)), "'uid' must be a string"),
+        (_mutated(lambda b: b.pop("sample_id")), "missing field 'sample_id'"),
+        (_mutated(lambda b: b.update(policy_version="3")), "'policy_version' must be an integer"),
+        (_mutated(lambda b: b.update(finish_reason="done")), "'finish_reason' must be one of"),
+        (_mutated(lambda b: b.update(turns=[[0, 9, "answer", None, 0]])), "outside the response"),
+        (_mutated(lambda b: b.update(turns=[[0, 1, "jump", None, 0]])), "action 'jump'"),
+        (_mutated(lambda b: b.update(loss_mask=b"\x01\x02\x01")), "must be 0 or 1"),
+        (_mutated(lambda b: b.update(probe={"fractions": [0.0], "samples": []})), "one list per"),
+        (
+            _mutated(lambda b: b.update(schema=SCHEMA_SCORED, reward="high")),
+            "'reward' must be a number",
+        ),
+        (_mutated(lambda b: b.update(schema=SCHEMA_SCORED)), "missing field 'reward'"),
+    ],
+)
+def test_bad_payloads_raise_codec_error(payload: bytes, message: str) -> None:
+    with pytest.raises(CodecError, match=message):
+        decode(payload)
+
+
+def test_prompt_group_validation() -> None:
+    good = msgpack.unpackb(encode(PromptGroup("u", "nq", "q?", None, n=2)), raw=False)
+    for change, message in [
+        ({"n": 0}, "'n' must be >= 1"),
+        ({"prompt": [{"role": "user"}]}, "need string 'role' and 'content'"),
+        ({"prompt": 7}, "'prompt' must be a string or a list"),
+        ({"sampling": {"temperature": "hot"}}, "sampling"),
+    ]:
+        with pytest.raises(CodecError, match=message):
+            decode(msgpack.packb({**good, **change}))
+
+
+def test_decode_as_rejects_the_wrong_record_type() -> None:
+    with pytest.raises(CodecError, match="expected PromptGroup, got Trajectory"):
+        decode_as(encode(_trajectory()), PromptGroup)
+
+
+def test_pickle_payload_is_rejected_not_unpickled() -> None:
+    with pytest.raises(CodecError):
+        decode(pickle.dumps(_trajectory()))
+
+
+def test_decoded_arrays_have_documented_dtypes() -> None:
+    """Decoded arrays are usable numpy arrays with native byte order and the documented dtypes."""
+    decoded = decode_as(encode(_trajectory()), Trajectory)
+    assert decoded.response_ids.dtype == np.int32
+    assert decoded.loss_mask.dtype == np.uint8
+    assert decoded.rollout_logprobs.dtype == np.float32
+    assert decoded.num_policy_tokens == 2
+    assert decoded.num_invalid == 0
