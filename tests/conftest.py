@@ -31,3 +31,11 @@ def namespace(redis_url: str) -> str:
     if keys:
         client.delete(*keys)
     client.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_policy_dir(tmp_path_factory):
+    """Tokenizer + tiny Qwen2 policy built once per session (services.tasks.tiny_policy)."""
+    from services.tasks.tiny_policy import make_test_policy
+
+    return make_test_policy(tmp_path_factory.getbasetemp() / "tiny_policy", seed=0)

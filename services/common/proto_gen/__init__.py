@@ -1,0 +1,1 @@
+"""Generated gRPC stubs; see services/common/proto_build.py."""

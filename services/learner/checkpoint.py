@@ -1,0 +1,193 @@
+"""Atomic, resumable learner checkpoints.
+
+Layout of `checkpoint_dir`:
+```
+latest                   text file naming the newest complete checkpoint (replaced atomically)
+step_00000010/
+  policy/                HF format (save_pretrained + tokenizer files): loadable by transformers
+                         and by the rollout engines as is
+  ds/state/              DeepSpeed engine state: model, optimizer (ZeRO shards), LR scheduler
+  critic_ds/state/       the critic's, when training with GAE
+  rng_rank{r}.json       python / numpy / torch (and CUDA) RNG state of rank r
+  trainer_state.json     step, policy version, data cursor (opaque), metrics history
+```
+Why atomic: a learner killed while writing must leave the previous checkpoint usable. All ranks
+write into `.tmp-step_*`; once every file is written and fsynced, rank 0 renames the directory
+into place and only then moves `latest`, so `latest` always names a complete checkpoint.
+RNG state is JSON (not pickle): checkpoints may be copied between machines and read back.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from services.learner import distributed as D
+
+LATEST = "latest"
+STATE_FILE = "trainer_state.json"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "chat_template.jinja",
+    "added_tokens.json",
+)
+
+
+@dataclass
+class TrainerState:
+    step: int = 0  # optimizer steps (RL steps or SFT steps) completed
+    policy_version: int = 0
+    data_cursor: dict[str, Any] = field(default_factory=dict)  # opaque to the checkpointer
+    metrics_history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _fsync_tree(path: Path) -> None:
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(root))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_state() -> dict[str, Any]:
+    py = random.getstate()
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [
+            np_state[0],
+            np_state[1].tolist(),
+            int(np_state[2]),
+            int(np_state[3]),
+            float(np_state[4]),
+        ],
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    raw = np.frombuffer(base64.b64decode(state["torch"]), dtype=np.uint8).copy()
+    torch.set_rng_state(torch.from_numpy(raw))
+    if "cuda" in state and torch.cuda.is_available():
+        raw = np.frombuffer(base64.b64decode(state["cuda"]), dtype=np.uint8).copy()
+        torch.cuda.set_rng_state(torch.from_numpy(raw))
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def latest_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint, or None."""
+    root = Path(checkpoint_dir)
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    path = root / pointer.read_text().strip()
+    return path if (path / STATE_FILE).is_file() else None
+
+
+def save_checkpoint(
+    trainer: Any,
+    checkpoint_dir: str | os.PathLike[str],
+    state: TrainerState,
+    *,
+    tokenizer_from: str | os.PathLike[str] | None = None,
+    keep: int = 2,
+) -> Path:
+    """Write a checkpoint of `trainer` (a PolicyTrainer) collectively; every rank must call."""
+    root = Path(checkpoint_dir)
+    final = root / step_dir_name(state.step)
+    tmp = root / f".tmp-{final.name}"
+    rank = D.rank()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    D.barrier()
+    trainer.policy.save(str(tmp / "ds"), tag="state")
+    if trainer.critic is not None:
+        trainer.critic.save(str(tmp / "critic_ds"), tag="state")
+    (tmp / f"rng_rank{rank}.json").write_text(json.dumps(_rng_state()))
+    full = trainer.policy.full_state_dict()
+    if rank == 0:
+        trainer.policy.module.save_pretrained(
+            str(tmp / "policy"), state_dict=full, safe_serialization=True
+        )
+        if tokenizer_from is not None:
+            for name in TOKENIZER_FILES:
+                src = Path(tokenizer_from) / name
+                if src.is_file():
+                    shutil.copyfile(src, tmp / "policy" / name)
+        (tmp / STATE_FILE).write_text(json.dumps(asdict(state), default=float))
+    D.barrier()
+    if rank == 0:
+        _fsync_tree(tmp)
+        if final.exists():  # a re-save of the same step replaces it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        pointer_tmp = root / f".{LATEST}.tmp"
+        pointer_tmp.write_text(final.name + "\n")
+        with open(pointer_tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(pointer_tmp, root / LATEST)
+        _fsync_dir(root)
+        _prune(root, keep)
+    D.barrier()
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    complete = sorted(p for p in root.glob("step_*") if (p / STATE_FILE).is_file())
+    for old in complete[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(".tmp-step_*"):  # left by a learner killed mid-write
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def load_checkpoint(trainer: Any, path: str | os.PathLike[str]) -> TrainerState:
+    """Restore weights, optimizer, scheduler and this rank's RNG; returns the trainer state."""
+    path = Path(path)
+    trainer.policy.load(str(path / "ds"), tag="state")
+    if trainer.critic is not None:
+        trainer.critic.load(str(path / "critic_ds"), tag="state")
+    rng_file = path / f"rng_rank{D.rank()}.json"
+    if not rng_file.is_file():  # resumed on more ranks than were saved
+        rng_file = path / "rng_rank0.json"
+    _set_rng_state(json.loads(rng_file.read_text()))
+    raw = json.loads((path / STATE_FILE).read_text())
+    return TrainerState(**raw)

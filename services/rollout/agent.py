@@ -1,0 +1,464 @@
+"""The multi-turn search agent loop (Search-R1 semantics, DESIGN.md 4), token-in/token-out.
+
+Each trajectory alternates policy turns and observations. A turn is one engine request whose
+prompt is the trajectory's prompt ids + every response id so far (never re-tokenized text).
+The turn stops at `</search>` / `</answer>` or EOS; its action is the first
+`<(search|answer)>…</…>` in the decoded turn. search → the query joins the next batched
+/retrieve call and the observation `\\n\\n<information>…</information>\\n\\n` is appended;
+answer → done; neither → Search-R1's corrective message. After `max_turns` such rounds a
+trajectory gets one final turn whose search is not executed. Observation tokens get loss_mask 0
+and log-prob 0.
+
+Scheduling. `continuous` (default): a trajectory whose turn ended goes back to the engine as
+soon as its observation is ready, and searches are sent while the engine keeps decoding the
+others (one /retrieve in flight; searches that end meanwhile join the next call). `lockstep`:
+Search-R1's schedule — every active trajectory runs turn t, then one /retrieve for all, then
+turn t+1 — kept as a baseline for bench/rollout.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from services.common.formats import (
+    CORRECTIVE_MESSAGE,
+    STOP_STRINGS,
+    information_block,
+    parse_action,
+)
+from services.common.trajectory import Probe, PromptGroup, Trajectory, Turn
+from services.rollout import metrics
+from services.rollout.engine import Engine, GenerationOutput, GenerationRequest, SamplingParams
+from services.rollout.probe import (
+    ProbeSettings,
+    answer_marker,
+    probe_prompts,
+    probe_stops,
+    probe_suffix,
+    reasoning_length,
+)
+from services.rollout.retrieval import RetrieverClient, RetrieverError
+
+log = logging.getLogger("forage.rollout.agent")
+
+
+@dataclass
+class LoopSettings:
+    max_turns: int = 4
+    max_tokens_per_turn: int = 500
+    max_obs_length: int = 500
+    max_response_length: int = 2048
+    max_prompt_length: int = 4096
+    use_search: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_strings: tuple[str, ...] = STOP_STRINGS
+    scheduling: Literal["continuous", "lockstep"] = "continuous"
+
+    @classmethod
+    def from_config(cls, rollout: Any) -> LoopSettings:
+        return cls(
+            max_turns=rollout.max_turns,
+            max_tokens_per_turn=rollout.max_tokens_per_turn,
+            max_obs_length=rollout.max_obs_length,
+            max_response_length=rollout.max_response_length,
+            max_prompt_length=rollout.max_prompt_length,
+            use_search=rollout.use_search,
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k,
+            stop_strings=tuple(rollout.stop_strings),
+            scheduling=rollout.scheduling,
+        )
+
+
+@dataclass
+class _State:
+    group: PromptGroup
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_turns: int
+    response: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    rounds: int = 0
+    searches: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    probe: Probe | None = None
+    probe_pending: int = 0
+    probe_waves: list[list[GenerationRequest]] = field(default_factory=list)
+
+    @property
+    def generating_done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None and self.probe_pending == 0 and not self.probe_waves
+
+
+class AgentLoop:
+    """Plays prompt groups to trajectories through an engine and a retriever."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        settings: LoopSettings,
+        retriever: RetrieverClient | None = None,
+        probe: ProbeSettings | None = None,
+        on_step: Callable[[], None] | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.settings = settings
+        self.retriever = retriever
+        self.probe = probe or ProbeSettings()
+        self.on_step = on_step
+        self._rng = random.Random(seed)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retrieve")
+
+    # ------------------------------------------------------------------ prompts
+
+    def prompt_ids(self, group: PromptGroup) -> list[int]:
+        """Chat template when the tokenizer has one (and the prompt is messages), else text."""
+        prompt = group.prompt
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        elif getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template(
+                prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+        else:
+            text = "".join(message["content"] for message in prompt)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = list(ids)
+        return ids[-self.settings.max_prompt_length :]
+
+    def _group_params(self, group: PromptGroup) -> tuple[SamplingParams, int]:
+        s = self.settings
+        overrides = dict(group.sampling)
+        temperature = overrides.get("temperature", 0.0 if group.kind == "eval" else s.temperature)
+        params = SamplingParams(
+            temperature=float(temperature),
+            top_p=float(overrides.get("top_p", s.top_p)),
+            top_k=int(overrides.get("top_k", s.top_k)),
+            max_tokens=s.max_tokens_per_turn,
+            stop=s.stop_strings,
+        )
+        return params, int(overrides.get("max_turns", s.max_turns))
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(
+        self,
+        groups: Sequence[PromptGroup],
+        on_group_done: Callable[[PromptGroup, list[Trajectory]], None] | None = None,
+    ) -> list[Trajectory]:
+        """Play every sample of every group; returns trajectories grouped, in input order.
+
+        `on_group_done` is called as soon as all `n` trajectories of a group are finished, so a
+        service can publish and ack that group while others still run.
+        """
+        states: list[_State] = []
+        by_group: dict[int, list[_State]] = {}
+        for group_index, group in enumerate(groups):
+            prompt_ids = self.prompt_ids(group)
+            params, max_turns = self._group_params(group)
+            members = [
+                _State(group, i, prompt_ids, params, max_turns) for i in range(max(1, group.n))
+            ]
+            by_group[group_index] = members
+            states.extend(members)
+        group_of = {id(state): gi for gi, members in by_group.items() for state in members}
+        reported: set[int] = set()
+        results: dict[int, list[Trajectory]] = {}
+
+        lockstep = self.settings.scheduling == "lockstep"
+        deferred: list[_State] = []  # lockstep: continue next round
+        searches: list[tuple[_State, str]] = []  # waiting for a /retrieve call
+        inflight: tuple[Future, list[tuple[_State, str]]] | None = None
+        for state in states:
+            self._submit_turn(state)
+        tokens_at_start, started = self._tokens(), time.perf_counter()
+
+        def finish_check(state: _State) -> None:
+            gi = group_of[id(state)]
+            if gi in reported or not all(member.done for member in by_group[gi]):
+                return
+            reported.add(gi)
+            trajectories = [self._trajectory(member) for member in by_group[gi]]
+            results[gi] = trajectories
+            for trajectory in trajectories:
+                metrics.FINISHED.labels(trajectory.finish_reason).inc()
+            if on_group_done is not None:
+                on_group_done(groups[gi], trajectories)
+
+        while True:
+            if self.engine.has_unfinished():
+                for output in self.engine.step():
+                    touched = self._handle_output(output, searches, deferred, lockstep)
+                    if touched is not None:
+                        finish_check(touched)
+                metrics.BATCH_OCCUPANCY.set(
+                    self.engine.num_running() / max(1, self.engine.max_batch_size)
+                )
+            if self.on_step is not None:
+                self.on_step()
+            idle = not self.engine.has_unfinished()
+            if inflight is None and searches and (not lockstep or idle):
+                batch, searches = searches, []
+                inflight = (self._pool.submit(self._retrieve, [q for _, q in batch]), batch)
+            if inflight is not None and (inflight[0].done() or idle):
+                future, batch = inflight
+                inflight = None
+                for state in self._apply_results(future, batch, deferred, lockstep):
+                    finish_check(state)
+                idle = not self.engine.has_unfinished()
+            if lockstep and idle and inflight is None and not searches and deferred:
+                for state in deferred:
+                    self._submit_turn(state)
+                deferred = []
+            if not self.engine.has_unfinished() and inflight is None and not searches:
+                if not deferred:
+                    break
+        elapsed = max(time.perf_counter() - started, 1e-9)
+        metrics.TOKENS_PER_S.set((self._tokens() - tokens_at_start) / elapsed)
+        for gi in range(len(groups)):  # groups whose members all errored early, etc.
+            if gi not in results:
+                finish_check(by_group[gi][0])
+        return [traj for gi in range(len(groups)) for traj in results[gi]]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ turns
+
+    def _tokens(self) -> int:
+        return int(getattr(self.engine, "tokens_generated", 0))
+
+    def _submit_turn(self, state: _State) -> None:
+        budget = self.settings.max_response_length - len(state.response)
+        if budget <= 0:
+            state.finish_reason = "length"
+            return
+        params = SamplingParams(
+            temperature=state.params.temperature,
+            top_p=state.params.top_p,
+            top_k=state.params.top_k,
+            max_tokens=min(self.settings.max_tokens_per_turn, budget),
+            stop=state.params.stop,
+        )
+        request = GenerationRequest(
+            state.prompt_ids + state.response, params, tag=("turn", state), cache_key=id(state)
+        )
+        self.engine.add_request(request)
+
+    def _is_final_turn(self, state: _State) -> bool:
+        return not self.settings.use_search or state.rounds >= state.max_turns
+
+    def _handle_output(
+        self,
+        output: GenerationOutput,
+        searches: list[tuple[_State, str]],
+        deferred: list[_State],
+        lockstep: bool,
+    ) -> _State | None:
+        kind, state = output.tag[0], output.tag[1]
+        if kind == "probe":
+            return self._handle_probe(output)
+        start = len(state.response)
+        state.response.extend(output.token_ids)
+        state.mask.extend([1] * len(output.token_ids))
+        state.logprobs.extend(output.logprobs)
+        end = len(state.response)
+        metrics.TOKENS.inc(len(output.token_ids))
+        text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
+        parsed = parse_action(text)
+        action, query = (parsed[0], parsed[1]) if parsed else ("invalid", None)
+        version = output.version_start
+        out_of_room = output.finish == "length" and end >= self.settings.max_response_length
+
+        if self._is_final_turn(state):
+            if not self.settings.use_search and action == "invalid":
+                action = "none"  # single-turn tasks (math, countdown): no tags required
+            state.turns.append(Turn(start, end, action, query, version))
+            metrics.TURNS.labels(action).inc()
+            if action == "invalid":
+                metrics.INVALID.inc()
+            if action == "answer":
+                state.finish_reason = "answer"
+            elif output.finish == "length":
+                state.finish_reason = "length"
+            elif not self.settings.use_search:
+                state.finish_reason = "answer"  # ended by EOS / stop: the task's answer
+            else:
+                state.finish_reason = "max_turns"  # a final-turn search is not executed
+            self._start_probe(state)
+            return state
+
+        state.turns.append(Turn(start, end, action, query, version))
+        metrics.TURNS.labels(action).inc()
+        if action == "answer":
+            state.finish_reason = "answer"
+            self._start_probe(state)
+            return state
+        if out_of_room:
+            if action == "invalid":
+                metrics.INVALID.inc()
+            state.finish_reason = "length"
+            self._start_probe(state)
+            return state
+        state.rounds += 1
+        if action == "search":
+            searches.append((state, query or ""))
+            return None
+        metrics.INVALID.inc()
+        if self._append_observation(state, CORRECTIVE_MESSAGE):
+            self._continue(state, deferred, lockstep)
+        else:
+            self._start_probe(state)
+        return state
+
+    def _continue(self, state: _State, deferred: list[_State], lockstep: bool) -> None:
+        if lockstep:
+            deferred.append(state)
+        else:
+            self._submit_turn(state)
+            if state.generating_done:  # no room left for another turn
+                self._start_probe(state)
+
+    def _append_observation(self, state: _State, text: str) -> bool:
+        """Append masked observation tokens; False when the response budget ran out."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)[: self.settings.max_obs_length]
+        room = self.settings.max_response_length - len(state.response)
+        truncated = len(ids) >= room
+        ids = ids[: max(room, 0)]
+        state.response.extend(ids)
+        state.mask.extend([0] * len(ids))
+        state.logprobs.extend([0.0] * len(ids))
+        if truncated:
+            state.finish_reason = "length"
+            return False
+        return True
+
+    def _retrieve(self, queries: list[str]) -> list[list[dict[str, Any]]]:
+        if self.retriever is None:
+            raise RetrieverError("no retriever configured (rollout.use_search is on)")
+        return self.retriever.retrieve(queries)
+
+    def _apply_results(
+        self,
+        future: Future,
+        batch: list[tuple[_State, str]],
+        deferred: list[_State],
+        lockstep: bool,
+    ) -> list[_State]:
+        try:
+            results = future.result()
+        except RetrieverError as exc:
+            log.error("retrieval failed for %d trajectories: %s", len(batch), exc)
+            for state, _ in batch:
+                state.finish_reason = "error"
+                state.error = str(exc)
+                self.engine.release(id(state))
+            return [state for state, _ in batch]
+        touched = []
+        for (state, _), docs in zip(batch, results, strict=True):
+            state.searches += 1
+            metrics.SEARCHES.inc()
+            if self._append_observation(state, information_block(docs)):
+                self._continue(state, deferred, lockstep)
+            else:
+                self._start_probe(state)
+            touched.append(state)
+        return touched
+
+    # ------------------------------------------------------------------ probe
+
+    def _start_probe(self, state: _State) -> None:
+        """Called once a trajectory stops generating: free its KV, then maybe probe it."""
+        self.engine.release(id(state))
+        settings = self.probe
+        if not settings.enable or state.finish_reason == "error" or state.probe_waves:
+            return
+        if state.probe is not None or state.group.kind == "eval":
+            return
+        version = min((turn.policy_version for turn in state.turns), default=0)
+        if version % settings.every_k_versions != 0 or self._rng.random() >= settings.fraction:
+            return
+        suffix = probe_suffix(state.group.data_source, settings.suffix)
+        suffix_ids = self.tokenizer.encode(suffix, add_special_tokens=False)
+        length = reasoning_length(self.tokenizer, state.response, answer_marker(suffix))
+        prompts = probe_prompts(
+            state.prompt_ids, state.response, length, settings.num_truncations, suffix_ids
+        )
+        params = SamplingParams(
+            temperature=1.0, top_p=1.0, max_tokens=settings.mc_max_tokens, stop=probe_stops(suffix)
+        )
+        state.probe = Probe(
+            fractions=settings.fractions, samples=[[] for _ in range(len(prompts))]
+        )
+        requests = [
+            GenerationRequest(list(ids), params, tag=("probe", state, k))
+            for k, ids in enumerate(prompts)
+            for _ in range(settings.mc_samples)
+        ]
+        splits = max(1, settings.num_splits)
+        size = -(-len(requests) // splits)
+        state.probe_waves = [requests[i : i + size] for i in range(0, len(requests), size)]
+        self._next_probe_wave(state)
+
+    def _next_probe_wave(self, state: _State) -> None:
+        wave = state.probe_waves.pop(0)
+        state.probe_pending = len(wave)
+        for request in wave:
+            self.engine.add_request(request)
+
+    def _handle_probe(self, output: GenerationOutput) -> _State | None:
+        _, state, k = output.tag
+        state.probe.samples[k].append(
+            self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
+        )
+        metrics.PROBE_COMPLETIONS.inc()
+        state.probe_pending -= 1
+        if state.probe_pending == 0 and state.probe_waves:
+            self._next_probe_wave(state)
+        return state
+
+    # ------------------------------------------------------------------ records
+
+    def _trajectory(self, state: _State) -> Trajectory:
+        group = state.group
+        versions = [turn.policy_version for turn in state.turns]
+        return Trajectory(
+            uid=group.uid,
+            sample_id=f"{group.uid}:{group.attempt}:{state.index}",
+            data_source=group.data_source,
+            # The oldest weights that produced any token: staleness is judged by it.
+            policy_version=min(versions) if versions else self.engine.policy_version,
+            prompt_ids=state.prompt_ids,
+            response_ids=state.response,
+            loss_mask=state.mask,
+            rollout_logprobs=state.logprobs,
+            turns=state.turns,
+            finish_reason=state.finish_reason or "error",
+            num_searches=state.searches,
+            ground_truth=group.ground_truth,
+            extra=dict(group.extra),
+            probe=state.probe,
+            kind=group.kind,
+            error=state.error,
+        )

@@ -1,0 +1,26 @@
+"""Prometheus metrics of the rollout service (DESIGN.md 3.5); names start with forage_rollout_."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+TOKENS = Counter("forage_rollout_generated_tokens", "Policy tokens generated")
+TOKENS_PER_S = Gauge("forage_rollout_tokens_per_second", "Generated tokens/s over the last batch")
+BATCH_OCCUPANCY = Gauge("forage_rollout_batch_occupancy", "Running requests / max batch size")
+TURNS = Counter("forage_rollout_turns", "Generation turns by action", ["action"])
+SEARCHES = Counter("forage_rollout_searches", "Search actions executed")
+INVALID = Counter("forage_rollout_invalid_actions", "Turns without a valid action")
+FINISHED = Counter("forage_rollout_trajectories", "Finished trajectories", ["finish_reason"])
+RETRIEVER_LATENCY = Histogram(
+    "forage_rollout_retriever_latency_seconds", "Batched /retrieve call latency (with retries)",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+RETRIEVER_ERRORS = Counter("forage_rollout_retriever_errors", "Failed /retrieve attempts")
+POLICY_VERSION = Gauge("forage_rollout_policy_version", "Policy version being served")
+WEIGHT_SYNC_SECONDS = Histogram(
+    "forage_rollout_weight_sync_seconds", "Time to fetch and load new weights",
+    buckets=(0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)
+WEIGHT_SYNC_FAILURES = Counter("forage_rollout_weight_sync_failures", "Failed weight fetches")
+GROUPS = Counter("forage_rollout_groups", "Prompt groups published", ["kind"])
+PROBE_COMPLETIONS = Counter("forage_rollout_probe_completions", "Probe completions sampled")

@@ -1,0 +1,250 @@
+"""The rollout service: prompt groups in, trajectories out (DESIGN.md 1, 3.2, 3.4).
+
+One replica = one process = one engine. It joins consumer group `rollout` on the prompts
+stream, plays groups through the agent loop, publishes each group's `n` trajectories together
+and only then acks the group (at-least-once: a replica that dies before the ack leaves the
+group pending, another replica reclaims it after the visibility timeout; sample ids are
+deterministic so the learner's de-duplication drops a repeat). Between engine steps it polls
+the learner's WeightSync and swaps to a newer version; before taking any work it fetches the
+current one. A heartbeat key with a TTL says it is alive and what it serves. SIGTERM stops
+taking work, finishes the groups in hand, publishes and acks them, and exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+from services.common.codec import CodecError, decode_as, encode
+from services.common.logs import set_log_context, setup_logging
+from services.common.metrics import start_metrics_server
+from services.common.trajectory import PromptGroup, Trajectory
+from services.rollout import metrics
+from services.rollout.agent import AgentLoop, LoopSettings
+from services.rollout.engines import make_engine
+from services.rollout.probe import ProbeSettings
+from services.rollout.retrieval import RetrieverClient
+
+log = logging.getLogger("forage.rollout")
+
+
+def replica_name(configured: str) -> str:
+    return configured or f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _published(manifest: Any) -> bool:
+    """Whether a GetVersion manifest describes real weights (a fresh server has none)."""
+    if manifest is None:
+        return False
+    tensors = manifest.get("tensors") if isinstance(manifest, dict) else getattr(
+        manifest, "tensors", None)
+    return bool(tensors)
+
+
+class RolloutWorker:
+    def __init__(self, config: Any, engine: Any | None = None) -> None:
+        self.config = config
+        self.name = replica_name(config.rollout.name)
+        self.namespace = config.redis.namespace
+        self.engine = engine if engine is not None else make_engine(config)
+        retriever = None
+        if config.rollout.use_search:
+            retriever = RetrieverClient(
+                config.retriever.url, topk=config.retriever.topk,
+                timeout_s=config.retriever.timeout_s, retries=config.retriever.retries,
+                backoff_s=config.rollout.retrieve_backoff_s,
+            )
+        self.loop = AgentLoop(
+            self.engine, LoopSettings.from_config(config.rollout), retriever,
+            ProbeSettings.from_config(config.probe), on_step=self._between_steps,
+            seed=config.rollout.seed,
+        )
+        self.stopping = False
+        self._weights = None
+        self._last_poll = 0.0
+        self._last_beat = 0.0
+        self._busy = 0
+        self._redis = None
+        self._streams = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def run(self) -> int:
+        import redis
+
+        from services.common.streams import RedisStreams
+
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        server = start_metrics_server(self.config.rollout.metrics_port,
+                                      healthy=lambda: not self.stopping)
+        log.info("replica %s: metrics on port %d", self.name, server.port)
+        self._streams = RedisStreams.from_config(self.config.redis)
+        self._redis = redis.Redis.from_url(self._redis_url())
+        self._streams.ensure_group("prompts")
+        if self.config.rollout.weight_sync:
+            self._wait_for_first_weights()
+        metrics.POLICY_VERSION.set(self.engine.policy_version)
+        self._heartbeat(force=True)
+        try:
+            while not self.stopping:
+                self._heartbeat()
+                self._poll_weights(force=False)
+                count = self._groups_per_batch()
+                messages = self._streams.consume("prompts", consumer=self.name, count=count,
+                                                 block_ms=1000)
+                if messages:
+                    self._play(messages)
+        finally:
+            self._redis.delete(self._beat_key())
+            server.stop()
+            self.loop.close()
+        log.info("replica %s stopped", self.name)
+        return 0
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        log.info("signal %d: finishing the groups in hand, then exiting", signum)
+        self.stopping = True
+
+    def _redis_url(self) -> str:
+        return (self.config.redis.url or os.environ.get("REDIS_URL")
+                or "redis://127.0.0.1:6379/0")
+
+    def _groups_per_batch(self) -> int:
+        configured = self.config.rollout.groups_per_batch
+        if configured:
+            return configured
+        return max(1, self.config.rollout.max_batch_size // max(1, self.config.data.n_samples))
+
+    # ------------------------------------------------------------------ work
+
+    def _play(self, messages: list[Any]) -> None:
+        groups: list[PromptGroup] = []
+        ids: list[Any] = []
+        for message in messages:
+            try:
+                groups.append(decode_as(message.payload, PromptGroup))
+                ids.append(message.id)
+            except CodecError as exc:
+                log.error("dead-lettering message %s: %s", message.id, exc)
+                self._streams.dead_letter("prompts", message, str(exc))
+        if not groups:
+            return
+        needed = max(group.policy_version_min for group in groups)
+        if needed > self.engine.policy_version and self.config.rollout.weight_sync:
+            self._wait_for_version(needed)
+        id_of = {id(group): message_id for group, message_id in zip(groups, ids, strict=True)}
+        self._busy = sum(group.n for group in groups)
+        self._heartbeat(force=True)
+        started, tokens0 = time.perf_counter(), self._tokens()
+
+        def publish(group: PromptGroup, trajectories: list[Trajectory]) -> None:
+            self._streams.publish_many("rollouts", [encode(t) for t in trajectories])
+            self._streams.ack("prompts", [id_of[id(group)]])
+            metrics.GROUPS.labels(group.kind).inc()
+            self._busy -= group.n
+
+        self.loop.run(groups, on_group_done=publish)
+        elapsed = time.perf_counter() - started
+        log.info("played %d groups in %.2fs (%.0f tokens/s)", len(groups), elapsed,
+                 (self._tokens() - tokens0) / max(elapsed, 1e-9))
+        self._busy = 0
+
+    def _tokens(self) -> int:
+        return int(getattr(self.engine, "tokens_generated", 0))
+
+    def _between_steps(self) -> None:
+        self._heartbeat()
+        self._poll_weights(force=False)
+
+    # ------------------------------------------------------------------ weights
+
+    def _client(self) -> Any:
+        if self._weights is None:
+            from services.common.weight_sync import WeightSyncClient
+
+            learner = self.config.learner
+            self._weights = WeightSyncClient(
+                f"{learner.weight_sync_host}:{learner.weight_sync_port}",
+                token=learner.weight_sync_token,
+            )
+        return self._weights
+
+    def _wait_for_first_weights(self) -> None:
+        deadline = time.monotonic() + self.config.rollout.weight_wait_s
+        while not self.stopping:
+            if self._poll_weights(force=True, first=True):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"no weights from the learner at {self.config.learner.weight_sync_host}:"
+                    f"{self.config.learner.weight_sync_port} after "
+                    f"{self.config.rollout.weight_wait_s}s"
+                )
+            self._heartbeat()
+            time.sleep(min(1.0, self.config.rollout.weight_poll_s))
+
+    def _wait_for_version(self, version: int) -> None:
+        deadline = time.monotonic() + self.config.rollout.weight_wait_s
+        while self.engine.policy_version < version and time.monotonic() < deadline:
+            if not self._poll_weights(force=True):
+                time.sleep(min(1.0, self.config.rollout.weight_poll_s))
+            self._heartbeat()
+
+    def _poll_weights(self, force: bool, first: bool = False) -> bool:
+        """Fetch and load newer weights; True when new weights were loaded."""
+        if not self.config.rollout.weight_sync:
+            return False
+        now = time.monotonic()
+        if not force and now - self._last_poll < self.config.rollout.weight_poll_s:
+            return False
+        self._last_poll = now
+        from services.common.weight_sync import WeightSyncError
+
+        try:
+            version, manifest = self._client().get_version()
+            if not _published(manifest):
+                return False
+            if version <= self.engine.policy_version and not first:
+                return False
+            started = time.perf_counter()
+            version, state_dict = self._client().fetch()  # newest consistent version
+            self.engine.load_weights(state_dict, version)
+        except (WeightSyncError, ValueError) as exc:
+            metrics.WEIGHT_SYNC_FAILURES.inc()
+            log.warning("weight sync failed, keeping version %d: %s",
+                        self.engine.policy_version, exc)
+            return False
+        metrics.WEIGHT_SYNC_SECONDS.observe(time.perf_counter() - started)
+        metrics.POLICY_VERSION.set(version)
+        set_log_context(policy_version=version)
+        log.info("loaded policy version %d in %.2fs", version, time.perf_counter() - started)
+        return True
+
+    # ------------------------------------------------------------------ heartbeat
+
+    def _beat_key(self) -> str:
+        return f"{self.namespace}:heartbeat:rollout:{self.name}"
+
+    def _heartbeat(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self._redis is None or (not force and now - self._last_beat < self.config.rollout.heartbeat_s):
+            return
+        self._last_beat = now
+        body = {
+            "name": self.name, "pid": os.getpid(), "ts": time.time(),
+            "policy_version": self.engine.policy_version, "busy": self._busy,
+            "stopping": self.stopping,
+        }
+        ttl = max(1, int(round(self.config.rollout.heartbeat_ttl_s)))
+        self._redis.set(self._beat_key(), json.dumps(body), ex=ttl)
+
+
+def serve(config: Any) -> int:
+    setup_logging("rollout", run_id=config.run_id, level=config.log_level)
+    return RolloutWorker(config).run()

@@ -1,0 +1,63 @@
+"""Text helpers every reward shares: answer extraction and Search-R1's answer normalisation.
+
+Rewards receive the decoded *response* (verl's naive manager passes only the response), but
+callers that pass prompt + response (TinyZero, Search-R1's own trainer) must not be credited
+for the prompt's example answer, so `response_part` cuts at the last assistant marker and
+drops Search-R1's template example sentence.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+
+ANSWER_PATTERN = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+ASSISTANT_MARKERS: tuple[str, ...] = ("<|im_start|>assistant", "Assistant:")
+# Search-R1's instruction template shows this example answer; it is never the model's answer.
+TEMPLATE_EXAMPLE = "For example, <answer> Beijing </answer>."
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+def response_part(text: str) -> str:
+    """The text after the last assistant marker (all of it when there is none), minus the
+    template's example answer."""
+    cut = -1
+    for marker in ASSISTANT_MARKERS:
+        position = text.rfind(marker)
+        if position != -1:
+            cut = max(cut, position + len(marker))
+    if cut != -1:
+        text = text[cut:]
+    return text.replace(TEMPLATE_EXAMPLE, "")
+
+
+def last_answer(text: str) -> str | None:
+    """Content of the last `<answer>…</answer>` of the response, stripped; None when absent."""
+    matches = ANSWER_PATTERN.findall(response_part(text))
+    if not matches:
+        return None
+    return matches[-1].strip()
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD/Search-R1 normalisation: lower, drop punctuation, drop articles, squash spaces."""
+    text = text.lower().translate(_PUNCTUATION)
+    text = _ARTICLES.sub(" ", text)
+    return " ".join(text.split())
+
+
+def gold_answers(ground_truth: object) -> list[str]:
+    """Gold strings from `{"target": [...]}` (Search-R1 parquet), a list, or a single value."""
+    if isinstance(ground_truth, dict):
+        if "target" not in ground_truth:
+            raise ValueError(f"QA ground truth needs a 'target' key, got keys {sorted(ground_truth)}")
+        ground_truth = ground_truth["target"]
+    if isinstance(ground_truth, str | int | float) and not isinstance(ground_truth, bool):
+        return [str(ground_truth)]
+    if isinstance(ground_truth, list | tuple) or hasattr(ground_truth, "tolist"):
+        values = ground_truth.tolist() if hasattr(ground_truth, "tolist") else ground_truth
+        return [str(value) for value in values]
+    raise ValueError(f"QA ground truth must be a string, a list or {{'target': ...}}, "
+                     f"got {type(ground_truth).__name__}")

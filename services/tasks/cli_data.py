@@ -1,0 +1,114 @@
+"""`forage data synth | countdown | math | convert | check`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from services.common.cli_args import add_config_args, config_from_args
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="command")
+
+    synth = sub.add_parser("synth", help="a synthetic search world: corpus, questions, SFT set")
+    synth.add_argument("--out", required=True, help="output directory")
+    synth.add_argument("--seed", type=int, default=None, help="world seed (default data.seed)")
+    synth.add_argument("--size", choices=["small", "medium"], default=None,
+                       help="entity counts (default data.synth_size)")
+    synth.add_argument("--hard", action="store_true", default=None,
+                       help="sub-word names, longer passages, top-3 (GPU preset)")
+    synth.add_argument("--no-sft", action="store_true", help="skip index + sft.parquet")
+    synth.add_argument("--sft-mix", default=None,
+                       help="strategy weights, e.g. good=0.4,guess=0.3,sloppy=0.3")
+    synth.add_argument("--sft-topk", type=int, default=None,
+                       help="passages per search in demonstrations (default: world's)")
+    synth.add_argument("--index-type", default="flat", help="retriever index type for SFT")
+    synth.add_argument("--encoder", default=None, help="sentence-transformers model directory")
+    synth.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_config_args(synth, required=False)
+    synth.set_defaults(handler=_synth)
+
+    for name, help_text in (("countdown", "Countdown problems (TinyZero)"),
+                            ("math", "GSM8K-style word problems with \\boxed{} answers")):
+        gen = sub.add_parser(name, help=help_text)
+        gen.add_argument("--out", required=True, help="output parquet file")
+        gen.add_argument("--count", type=int, default=1000)
+        gen.add_argument("--seed", type=int, default=0)
+        gen.add_argument("--split", default="train")
+        gen.set_defaults(handler=_generate, task=name)
+
+    conv = sub.add_parser("convert", help="FlashRAG / GSM8K jsonl -> Search-R1 / verl parquet")
+    conv.add_argument("--format", dest="fmt", choices=["flashrag", "gsm8k"], required=True)
+    conv.add_argument("--input", required=True, help="jsonl file")
+    conv.add_argument("--out", required=True, help="output parquet file")
+    conv.add_argument("--data-source", default=None,
+                      help="data_source column (flashrag: file stem; gsm8k: openai/gsm8k)")
+    conv.add_argument("--split", default="train")
+    conv.set_defaults(handler=_convert)
+
+    check = sub.add_parser("check", help="validate a parquet the learner will read")
+    check.add_argument("path")
+    check.add_argument("--kind", choices=["rl", "sft"], default="rl")
+    check.set_defaults(handler=_check)
+
+
+def _synth(args: argparse.Namespace) -> int:
+    from services.common.logs import setup_logging
+    from services.tasks.synth import synthesize
+
+    cfg = config_from_args(args)
+    setup_logging("tasks", cfg.run_id, cfg.log_level)
+    summary = synthesize(
+        args.out,
+        seed=cfg.data.seed if args.seed is None else args.seed,
+        size=args.size or cfg.data.synth_size,
+        hard=cfg.data.synth_hard if args.hard is None else args.hard,
+        sft=not args.no_sft,
+        sft_mix=args.sft_mix or cfg.data.sft_mix,
+        sft_topk=args.sft_topk or cfg.data.sft_topk,
+        index_type=args.index_type,
+        encoder=args.encoder,
+        show_progress=not args.quiet,
+    )
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from services.tasks.datasets import write_rows
+
+    if args.task == "countdown":
+        from services.tasks.countdown import countdown_rows as make
+    else:
+        from services.tasks.math_word import math_rows as make
+    path = write_rows(args.out, make(args.count, args.seed, args.split))
+    print(f"wrote {args.count} {args.task} rows to {path}")
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from services.tasks.convert import convert
+    from services.tasks.datasets import DatasetError
+
+    try:
+        path = convert(args.fmt, args.input, args.out, args.data_source, args.split)
+    except (DatasetError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from services.tasks.datasets import DatasetError, load_rows
+
+    try:
+        rows = load_rows(args.path, kind=args.kind)
+    except DatasetError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    sources = sorted({str(r.get("data_source", "")) for r in rows})
+    print(f"{args.path}: {len(rows)} valid {args.kind} rows; data sources: {', '.join(sources)}")
+    return 0
