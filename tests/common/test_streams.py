@@ -94,7 +94,7 @@ def test_other_group_sees_everything(client, namespace):
 
 
 def test_reclaim_counts_deliveries_then_dead_letters(client, namespace):
-    s = make(client, namespace, visibility_timeout_s=0.2, max_deliveries=3)
+    s = make(client, namespace, visibility_timeout_s=0.5, max_deliveries=3)
     s.ensure_group("prompts")
     [mid] = s.publish_many("prompts", [b"poison"])
     seen = []
@@ -104,7 +104,7 @@ def test_reclaim_counts_deliveries_then_dead_letters(client, namespace):
         assert m.id == mid
         # not acked: the consumer "crashed"; before the timeout nobody gets it
         assert s.consume("prompts", "other", count=1, block_ms=0) == []
-        time.sleep(0.25)
+        time.sleep(0.55)
     assert seen == [1, 2, 3]
     assert s.consume("prompts", "d", count=1, block_ms=50) == []  # 4th delivery: dead instead
     assert s.pending("prompts") == 0 and s.lag("prompts") == 0
@@ -131,15 +131,15 @@ def test_explicit_dead_letter_keeps_reason_and_acks(client, namespace):
 
 
 def test_keep_alive_prevents_reclaim_without_counting(client, namespace):
-    s = make(client, namespace, visibility_timeout_s=0.3)
+    s = make(client, namespace, visibility_timeout_s=0.6)
     s.ensure_group("prompts")
     s.publish("prompts", b"long job")
     [m] = s.consume("prompts", "slow", count=1, block_ms=50)
     for _ in range(3):
-        time.sleep(0.15)
+        time.sleep(0.2)
         assert s.keep_alive("prompts", "slow", [m.id]) == 1
         assert s.consume("prompts", "thief", count=1, block_ms=1) == []
-    time.sleep(0.35)
+    time.sleep(0.65)
     [again] = s.consume("prompts", "thief", count=1, block_ms=1)
     assert again.id == m.id and again.deliveries == 2
 
@@ -240,3 +240,25 @@ def test_bad_settings_are_refused(client):
         RedisStreams(client, backpressure="drop")
     with pytest.raises(ValueError, match="max_deliveries"):
         RedisStreams(client, max_deliveries=0)
+
+
+def test_pure_helpers():
+    from services.common.streams import (
+        backoff_delay,
+        chunks,
+        parse_autoclaim,
+        pending_counts,
+        split_claimed,
+    )
+
+    assert [backoff_delay(k, 0.1, 1.0) for k in range(6)] == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    assert [len(c) for c in chunks([b"x"] * 7, 3)] == [3, 3, 1]
+    # Redis 7: (cursor, entries, deleted ids); Redis 6.2: nil entries, no third element.
+    r7 = [b"0-0", [(b"1-0", {b"payload": b"a"})], [b"0-5"]]
+    assert parse_autoclaim(r7) == ("0-0", [("1-0", {b"payload": b"a"})], ["0-5"], 0)
+    r62 = [b"3-0", [(None, None), (b"2-0", {b"payload": b"b"})]]
+    assert parse_autoclaim(r62) == ("3-0", [("2-0", {b"payload": b"b"})], [], 1)
+    counts = pending_counts([[{"message_id": b"1-0", "times_delivered": 4}], []])
+    deliver, dead = split_claimed("k", [("1-0", {b"payload": b"a"}), ("2-0", {})], counts, 3)
+    assert [(m.id, m.deliveries) for m in dead] == [("1-0", 4)]
+    assert [(m.id, m.payload, m.deliveries) for m in deliver] == [("2-0", b"", 1)]
