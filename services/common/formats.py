@@ -88,3 +88,23 @@ def cut_at_first_stop(text: str) -> str:
         if position != -1:
             return text[: position + len(stop)]
     return text
+
+
+# Data sources whose answers are `\boxed{...}` (the probe forces a boxed answer for them).
+BOXED_ANSWER_MARKERS: tuple[str, ...] = ("gsm8k", "math", "aime", "amc")
+
+
+def is_boxed_answer_task(data_source: str) -> bool:
+    lowered = data_source.lower()
+    return any(marker in lowered for marker in BOXED_ANSWER_MARKERS)
+
+
+def probe_suffix(data_source: str, override: str | None = None) -> str:
+    """The suffix that forces an answer after a truncated reasoning prefix (DESIGN.md 5).
+
+    One rule for both sides of the contract: the rollout appends it to build probe prompts and
+    the scorer prepends it to each completion so the answer markup is complete.
+    """
+    if override is not None:
+        return override
+    return PROBE_SUFFIX_BOXED if is_boxed_answer_task(data_source) else PROBE_SUFFIX_TAGGED

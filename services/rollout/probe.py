@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.formats import PROBE_SUFFIX_BOXED, PROBE_SUFFIX_TAGGED
+from services.common.formats import is_boxed_answer_task, probe_suffix
 
-MATH_MARKERS = ("gsm8k", "math", "aime", "amc")
+__all__ = ["ProbeSettings", "is_math_task", "probe_suffix", "answer_marker", "probe_stops"]
 
 
 @dataclass
@@ -51,14 +51,7 @@ class ProbeSettings:
 
 
 def is_math_task(data_source: str) -> bool:
-    lowered = data_source.lower()
-    return any(marker in lowered for marker in MATH_MARKERS)
-
-
-def probe_suffix(data_source: str, override: str | None = None) -> str:
-    if override is not None:
-        return override
-    return PROBE_SUFFIX_BOXED if is_math_task(data_source) else PROBE_SUFFIX_TAGGED
+    return is_boxed_answer_task(data_source)
 
 
 def answer_marker(suffix: str) -> str:

@@ -18,12 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from services.common.formats import PROBE_SUFFIX_BOXED, PROBE_SUFFIX_TAGGED
+from services.common.formats import probe_suffix
 from services.common.trajectory import Probe
-
-# Data sources whose probe uses the `\boxed{` suffix; the rollout side applies the same rule
-# (services/rollout/probe.py MATH_MARKERS) when it builds the probe prompts.
-MATH_MARKERS = ("gsm8k", "math", "aime", "amc")
 
 CORRECT_THRESHOLD = 1.0
 
@@ -36,12 +32,8 @@ class ProbeScores:
 
 
 def default_suffix(data_source: str, override: str | None = None) -> str:
-    if override is not None:
-        return override
-    lowered = data_source.lower()
-    if any(marker in lowered for marker in MATH_MARKERS):
-        return PROBE_SUFFIX_BOXED
-    return PROBE_SUFFIX_TAGGED
+    """The probe suffix for a data source: the one rule the rollout side also uses."""
+    return probe_suffix(data_source, override)
 
 
 def overconfidence_weights(num_points: int) -> np.ndarray:
