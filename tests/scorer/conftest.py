@@ -1,4 +1,4 @@
-"""Fixtures for the scorer tests: a real (tiny) Hugging Face tokenizer and trajectory builder."""
+"""Fixtures for the scorer tests: the tiny policy's real tokenizer and a trajectory builder."""
 
 from __future__ import annotations
 
@@ -8,31 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-TAGS = ["<think>", "</think>", "<search>", "</search>", "<answer>", "</answer>",
-        "<information>", "</information>"]
-
-
-def build_tokenizer(out_dir: Path) -> Path:
-    """Byte-level BPE (any text round-trips) with the Search-R1 tags as single tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["The answer is Paris. Thus the final answer"] * 10, trainer)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
-                                 pad_token="<|endoftext|>")
-    hf.add_tokens(TAGS)
-    hf.save_pretrained(out_dir)
-    return out_dir
-
 
 @pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    return build_tokenizer(tmp_path_factory.mktemp("scorer_tokenizer"))
+def tokenizer_dir(tiny_policy_dir) -> Path:
+    """The project's own test tokenizer (byte-level BPE, Search-R1 tags as single tokens)."""
+    return tiny_policy_dir
 
 
 @pytest.fixture(scope="session")
