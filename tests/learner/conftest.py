@@ -11,10 +11,9 @@ import torch
 
 
 @pytest.fixture(scope="session")
-def tiny_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from services.tasks.tiny_policy import make_test_policy
-
-    return make_test_policy(tmp_path_factory.mktemp("learner-policy") / "policy", seed=0)
+def tiny_policy(tiny_policy_dir: Path) -> Path:
+    """The session's tiny policy (tests/conftest.py); learner tests only read it."""
+    return tiny_policy_dir
 
 
 @pytest.fixture(autouse=True)
