@@ -383,12 +383,21 @@ T = TypeVar("T")
 # ------------------------------------------------------------------ sync API
 
 
-class RedisStreams:
-    """The four streams of one namespace over a redis-py client."""
+_S = TypeVar("_S", bound="StreamsBase")
+
+
+class StreamsBase:
+    """State and configuration shared by the sync and asyncio stream classes.
+
+    Subclasses set `_client_class` (redis.Redis or redis.asyncio.Redis) and implement the I/O;
+    everything here is plain state, so the two APIs cannot drift apart in how they are built.
+    """
+
+    _client_class: Any = redis.Redis
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: Any,
         namespace: str = "forage",
         *,
         stream_maxlen: int = 100_000,
@@ -414,17 +423,23 @@ class RedisStreams:
         self._cursors: dict[tuple[str, str], str] = {}
 
     @classmethod
-    def from_config(cls, redis_cfg: RedisSection) -> RedisStreams:
+    def from_config(cls: type[_S], redis_cfg: RedisSection) -> _S:
         server = resolve_server(redis_cfg)
-        client = redis.Redis.from_url(server.url, **client_options(redis_cfg))
+        client = cls._client_class.from_url(server.url, **client_options(redis_cfg))
         return cls(
             client, **settings_from_config(redis_cfg), server=server if server.embedded else None
         )
 
-    # -------------------------------------------------------------- plumbing
-
     def key(self, kind: str) -> str:
         return stream_key(self.namespace, kind)
+
+
+class RedisStreams(StreamsBase):
+    """The four streams of one namespace over a redis-py client."""
+
+    _client_class = redis.Redis
+
+    # -------------------------------------------------------------- plumbing
 
     def _retry(self, op: str, fn: Callable[[], T]) -> T:
         s = self.settings

@@ -23,16 +23,14 @@ from services.common.streams import (
     DEAD_LETTERS,
     DELIVERED,
     MAX_DELIVERIES_REASON,
-    PUBLISH_LUA,
     PUBLISHED,
     RETRYABLE,
     TRIMMED_REASON,
     BackpressureTimeout,
-    Settings,
     StreamMessage,
+    StreamsBase,
     backoff_delay,
     chunks,
-    client_options,
     dead_fields,
     default_group,
     full_message,
@@ -44,61 +42,21 @@ from services.common.streams import (
     parse_publish_reply,
     parse_read,
     pending_counts,
-    resolve_server,
-    settings_from_config,
     split_claimed,
-    stream_key,
 )
 
 if TYPE_CHECKING:
-    from services.common.config.redis import RedisSection
-    from services.common.redis_server import RedisServer
+    pass
 
 log = logging.getLogger("forage.streams")
 
 T = TypeVar("T")
 
 
-class AsyncRedisStreams:
+class AsyncRedisStreams(StreamsBase):
     """`RedisStreams` for asyncio services; same arguments, same semantics."""
 
-    def __init__(
-        self,
-        client: aioredis.Redis,
-        namespace: str = "forage",
-        *,
-        stream_maxlen: int = 100_000,
-        backpressure: str = "block",
-        backpressure_timeout_s: float = 300.0,
-        visibility_timeout_s: float = 120.0,
-        max_deliveries: int = 3,
-        retry_attempts: int = 8,
-        retry_backoff_s: float = 0.1,
-        retry_backoff_max_s: float = 5.0,
-        server: RedisServer | None = None,
-    ) -> None:
-        self.client = client
-        self.settings = Settings(
-            namespace, stream_maxlen, backpressure, backpressure_timeout_s,
-            visibility_timeout_s, max_deliveries, retry_attempts, retry_backoff_s,
-            retry_backoff_max_s,
-        )
-        self.namespace = namespace
-        self.server = server
-        self._publish = client.register_script(PUBLISH_LUA)
-        self._groups_ready: set[tuple[str, str]] = set()
-        self._cursors: dict[tuple[str, str], str] = {}
-
-    @classmethod
-    def from_config(cls, redis_cfg: RedisSection) -> AsyncRedisStreams:
-        server = resolve_server(redis_cfg)
-        client = aioredis.Redis.from_url(server.url, **client_options(redis_cfg))
-        return cls(
-            client, **settings_from_config(redis_cfg), server=server if server.embedded else None
-        )
-
-    def key(self, kind: str) -> str:
-        return stream_key(self.namespace, kind)
+    _client_class = aioredis.Redis
 
     async def _retry(self, op: str, fn: Callable[[], Awaitable[T]]) -> T:
         s = self.settings
