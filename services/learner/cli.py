@@ -21,14 +21,28 @@ def register(parser: argparse.ArgumentParser) -> None:
                      help="continue from the last complete checkpoint under OUT/checkpoints")
     sft.set_defaults(handler=_sft)
 
-    # `forage learner train --config FILE [--resume]`: the RL stream loop, added here by the
-    # loop's module (it builds on services.learner.trainer.PolicyTrainer and .checkpoint).
     register_train(sub)
 
 
 def register_train(sub: argparse._SubParsersAction) -> None:
-    """Place for the `train` sub-command (the RL loop); not built in this module yet."""
-    return None
+    train = sub.add_parser("train", help="the RL stream loop (rank 0 serves weights)")
+    add_config_args(train)
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the last complete checkpoint (learner.checkpoint_dir)")
+    train.set_defaults(handler=_train)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from services.common.logs import setup_logging
+    from services.learner.loop import train
+
+    cfg = config_from_args(args)
+    setup_logging("learner", cfg.run_id, cfg.log_level)
+    try:
+        return train(cfg, resume=args.resume)
+    except ValueError as exc:  # config problems found at start-up (estimator, paths, data)
+        print(f"forage learner train: {exc}")
+        return 2
 
 
 def _sft(args: argparse.Namespace) -> int:

@@ -26,6 +26,9 @@ Rules (issue 7, "The loop"):
   re-issued (reason ``timeout``), with the same attempt limit.
 * Trajectories for uids not in flight (never issued, already trained, or dropped) are ignored and
   counted in ``unknown``; sample ids whose index is not an integer in [0, n) in ``malformed``.
+* Errors: a trajectory that failed for a reason outside the policy (finish_reason ``error``,
+  e.g. the retriever was unreachable) is not trained on; ``reject`` counts it and flags its group
+  for re-issue (reason ``error``), within the same attempt limit.
 * Batches are formed from complete groups (n distinct samples) in completion order.
 
 Checkpoint: ``to_dict()`` holds plain JSON types only. Held trajectories are not serialised (they
@@ -46,6 +49,7 @@ COUNTERS: tuple[str, ...] = (
     "reissued_timeout",
     "reissued_stale",
     "reissued_resume",
+    "reissued_error",
     "trained",  # groups handed to the trainer by take_batch
     "dropped_groups",  # groups given up (attempt limit or explicit drop, e.g. group filter)
     "accepted",  # trajectories stored
@@ -53,6 +57,7 @@ COUNTERS: tuple[str, ...] = (
     "duplicates",  # trajectories whose (uid, sample index) was already held
     "unknown",  # trajectories for uids not in flight
     "malformed",  # trajectories whose sample id has no valid index
+    "errors",  # trajectories rejected as failed outside the policy (e.g. retriever down)
     "discarded_on_resume",  # held trajectories forgotten by a checkpoint round trip
 )
 
@@ -231,6 +236,24 @@ class GroupLedger:
                 if record.complete:
                     record.reissue_reason = None
                     self._ready[record.uid] = None
+        self.counters[outcome] += 1
+        return outcome
+
+    def reject(self, item: Any) -> str:
+        """Refuse a failed trajectory (not the policy's doing); its group is re-issued."""
+        traj = _trajectory_of(item)
+        record = self.groups.get(str(traj.uid))
+        if record is None:
+            outcome = "unknown"
+        else:
+            index = sample_index(traj.sample_id)
+            if index is None or index >= record.n:
+                outcome = "malformed"
+            elif index in record.samples:
+                outcome = "duplicates"
+            else:
+                outcome = "errors"
+                record.reissue_reason = record.reissue_reason or "error"
         self.counters[outcome] += 1
         return outcome
 

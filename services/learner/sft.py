@@ -121,6 +121,8 @@ def run_sft(cfg: RunConfig, data: str, out_dir: str, resume: bool = False) -> in
     ckpt_dir = out / "checkpoints"
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
     samples = load_sft_samples(data, tokenizer, cfg.model.max_length)
+    if learner.sft_max_rows is not None:
+        samples = samples[: learner.sft_max_rows]
     per_step = learner.sft_batch_size
     steps_per_epoch = math.ceil(len(samples) / per_step)
     total = steps_per_epoch * learner.sft_epochs

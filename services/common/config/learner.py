@@ -16,7 +16,8 @@ class LearnerSection(Section):
     total_steps: int = Field(default=100, ge=0)
     max_staleness: int = Field(default=1, ge=0)
     zero_stage: int = Field(default=0, ge=0, le=3)
-    checkpoint_dir: str = "runs/default/checkpoints"
+    # None: RUN_DIR/checkpoints.
+    checkpoint_dir: str | None = None
     save_every: int = Field(default=10, ge=1)
     weight_sync_host: str = "127.0.0.1"
     weight_sync_port: int = Field(default=50051, ge=0, le=65535)
@@ -53,5 +54,25 @@ class LearnerSection(Section):
     sft_epochs: int = Field(default=1, ge=1)
     sft_batch_size: int = Field(default=16, ge=1)  # sequences per optimizer step
     sft_lr: float | None = None  # None: lr
+    sft_max_rows: int | None = Field(default=None, ge=1)  # use only the first N rows (None: all)
     sft_save_every: int = Field(default=0, ge=0)  # optimizer steps between checkpoints; 0: end only
     keep_checkpoints: int = Field(default=2, ge=1)  # older complete checkpoints are deleted
+    # --- The RL stream loop (`forage learner train`; services/learner/loop.py) ---
+    # A group not complete this long after its latest issue is issued again (counted); after
+    # `max_attempts` issues it is given up (counted) so one bad prompt cannot stall the run.
+    group_timeout_s: float = Field(default=300.0, gt=0)
+    max_attempts: int = Field(default=3, ge=1)
+    # Scored trajectories read per poll, and how long one read blocks.
+    consume_batch: int = Field(default=256, ge=1)
+    poll_ms: int = Field(default=200, ge=1)
+    # Greedy evaluation on data.test_files through the rollout service: before the first step,
+    # every `eval_every` steps (0: never in between) and after the last step.
+    eval_before: bool = True
+    eval_every: int = Field(default=0, ge=0)
+    eval_at_end: bool = True
+    eval_timeout_s: float = Field(default=600.0, gt=0)
+    # Group filter guard: after this many constant-reward groups are dropped in a row without a
+    # batch forming, the next batch is trained unfiltered (logged) instead of sampling forever.
+    filter_max_dropped: int = Field(default=256, ge=1)
+    # Run this long at most (0: no limit); the loop then checkpoints and exits cleanly.
+    max_wall_s: float = Field(default=0.0, ge=0)

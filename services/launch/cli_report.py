@@ -1,0 +1,76 @@
+"""`forage report RUN_DIR [--out DIR]`: summary.json and PNG plots of a run, and a short table.
+
+matplotlib is imported by the handler only, so `forage report --help` stays quick. Exit status 2
+with a message naming the path when the run directory or its metrics.jsonl is missing or holds
+no valid line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", help="run directory holding metrics.jsonl (and demo.json)")
+    parser.add_argument("--out", default=None,
+                        help="where to write summary.json and the plots (default: RUN_DIR/report)")
+    parser.set_defaults(handler=_report)
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _fmt_delta(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.3f}"
+
+
+def _fmt_wall(seconds: float | None) -> str:
+    if seconds is None:
+        return "n/a"
+    minutes, rest = divmod(seconds, 60.0)
+    hours, minutes = divmod(int(minutes), 60)
+    clock = f"{hours}h {minutes:02d}m {rest:04.1f}s" if hours else f"{minutes}m {rest:04.1f}s"
+    return f"{clock} ({seconds:.1f} s)"
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """The few lines a person reads first: EM before -> after, steps, wall time, searches."""
+    rows = [
+        ("EM (eval)", f"{_fmt(summary['em_before'])} -> {_fmt(summary['em_after'])}"
+                      f"  (delta {_fmt_delta(summary['em_delta'])})"),
+        ("RL steps", str(summary["steps"])),
+        ("wall time", _fmt_wall(summary["wall_seconds"])),
+        ("searches (eval)", f"{_fmt(summary['searches_before'], 2)} -> "
+                            f"{_fmt(summary['searches_after'], 2)}"),
+        ("reward (train)", f"{_fmt(summary['reward_first'])} -> {_fmt(summary['reward_last'])}"
+                           f"  (first/last up to 5 steps)"),
+    ]
+    if summary.get("probe_overconf_start") is not None:
+        rows.append(("probe overconf", f"{_fmt(summary['probe_overconf_start'])} -> "
+                                       f"{_fmt(summary['probe_overconf_end'])}"))
+    if summary.get("malformed_lines"):
+        rows.append(("skipped lines", str(summary["malformed_lines"])))
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from services.common.logs import setup_logging
+    from services.launch.report import ReportError, write_report
+
+    setup_logging("report", level="WARNING")
+    out = Path(args.out) if args.out else Path(args.run_dir) / "report"
+    try:
+        summary = write_report(args.run_dir, out)
+    except ReportError as exc:
+        print(f"forage report: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(summary))
+    print("written:")
+    for name in summary["files"]:
+        print(f"  {out / name}")
+    return 0

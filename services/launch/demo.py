@@ -1,0 +1,240 @@
+"""`forage demo [--quick] [--out DIR] [--set k=v ...]`: the embedded default, end to end.
+
+Phases (each a `forage` sub-command in its own process, its output in OUT/logs/<phase>.log):
+  1. world   `forage data synth`: corpus, train/test questions, retriever index, SFT rows
+  2. policy  `forage model init`: tokenizer + tiny Qwen2 policy
+  3. sft     `forage learner sft`: warm start that teaches the format, not the strategy
+  4. rl      `forage up` with the demo config: retriever, learner, scorer, rollout on loopback;
+             greedy evaluation on the held-out questions before and after RL
+  5. report  `forage report OUT`: plots and summary.json
+Phases 1–3 are reused when OUT already holds their output for the same settings (a second
+`forage demo` goes straight to RL); `--fresh` rebuilds them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from services.common.config import RunConfig, load_config
+from services.launch.supervisor import forage_argv
+
+log = logging.getLogger("forage.launch")
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO_CONFIG = REPO / "configs" / "demo.yaml"
+QUICK_CONFIG = REPO / "configs" / "demo_quick.yaml"
+
+
+class DemoError(RuntimeError):
+    pass
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def _run_phase(name: str, argv: list[str], log_dir: Path, follow: Any = None) -> float:
+    """Run one phase to completion with its output in log_dir/name.log; returns seconds."""
+    started = time.monotonic()
+    path = log_dir / f"{name}.log"
+    with path.open("ab") as handle:
+        process = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, cwd=REPO)
+        try:
+            while process.poll() is None:
+                if follow is not None:
+                    follow()
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            process.terminate()
+            process.wait()
+            raise
+    if follow is not None:
+        follow()
+    if process.returncode != 0:
+        tail = "\n    ".join(path.read_text(errors="replace").splitlines()[-15:])
+        raise DemoError(f"phase {name} failed (exit {process.returncode}); log {path}:\n    {tail}")
+    return time.monotonic() - started
+
+
+def _settings_stamp(cfg: RunConfig) -> dict[str, Any]:
+    """What phases 1–3 depend on: reuse their output only when this is unchanged."""
+    return {"data": cfg.data.model_dump(mode="json"), "topk": cfg.retriever.topk,
+            "model": {k: v for k, v in cfg.model.model_dump(mode="json").items()
+                      if k.startswith("init_") or k == "max_length"},
+            "sft": {k: getattr(cfg.learner, k) for k in ("sft_lr", "sft_epochs", "sft_batch_size",
+                                                         "sft_max_rows", "seed")}}
+
+
+class SftProgress:
+    """A progress bar over the SFT subprocess's metrics file."""
+
+    def __init__(self, path: Path, total: int) -> None:
+        from tqdm import tqdm
+
+        self.path = path
+        self.bar = tqdm(total=total, desc="sft", unit="step")
+        self.seen = 0
+
+    def __call__(self) -> None:
+        if not self.path.exists():
+            return
+        lines = self.path.read_text().splitlines()
+        if len(lines) > self.seen:
+            try:
+                loss = json.loads(lines[-1]).get("loss")
+                self.bar.set_postfix(loss=f"{loss:.3f}")
+            except (json.JSONDecodeError, TypeError):
+                pass
+            self.bar.update(len(lines) - self.seen)
+            self.seen = len(lines)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def prepare(cfg: RunConfig, config_file: Path, overrides: list[str], out: Path,
+            fresh: bool = False) -> tuple[dict[str, float], Path]:
+    """Phases 1–3; returns their timings and the SFT policy directory."""
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    stamp_path = out / "prepared.json"
+    stamp = _settings_stamp(cfg)
+    world, policy, sft_out = out / "world", out / "world" / "policy", out / "sft"
+    reuse = (not fresh and stamp_path.exists() and json.loads(stamp_path.read_text()) == stamp
+             and (sft_out / "policy" / "config.json").exists())
+    timings: dict[str, float] = {}
+    if reuse:
+        _say(f"[1-3/5] world, policy and SFT already in {out} (same settings): reusing them")
+        return timings, sft_out / "policy"
+    for path in (world, sft_out):
+        shutil.rmtree(path, ignore_errors=True)
+    stamp_path.unlink(missing_ok=True)
+    sets = [arg for o in overrides for arg in ("--set", o)]
+    conf = ["--config", str(config_file), *sets]
+    _say(f"[1/5] synthetic world (seed {cfg.data.seed}) and retriever index -> {world}")
+    timings["world_s"] = _run_phase("world", forage_argv(
+        "data", "synth", "--out", str(world), *conf, "--sft-topk", str(cfg.retriever.topk),
+        "--quiet"), logs)
+    summary = world / "world.json"
+    if summary.exists():
+        info = json.loads(summary.read_text()).get("summary", {})
+        if info:
+            _say(f"      {json.dumps(info)[:200]}")
+    _say(f"[2/5] tokenizer + tiny Qwen2 policy -> {policy}")
+    timings["policy_s"] = _run_phase("policy", forage_argv(
+        "model", "init", "--data", str(world), "--out", str(policy), *conf), logs)
+    import pyarrow.parquet as pq
+
+    rows = pq.read_metadata(str(world / "sft.parquet")).num_rows
+    rows = min(rows, cfg.learner.sft_max_rows or rows)
+    total = math.ceil(rows / cfg.learner.sft_batch_size) * cfg.learner.sft_epochs
+    _say(f"[3/5] SFT warm start: {rows} demonstrations, {total} steps -> {sft_out}")
+    bar = SftProgress(sft_out / "sft_metrics.jsonl", total)
+    try:
+        timings["sft_s"] = _run_phase("sft", forage_argv(
+            "learner", "sft", *conf, "--set", f"model.path={policy}",
+            "--set", f"run_dir={out}", "--data", str(world / "sft.parquet"),
+            "--out", str(sft_out)), logs, follow=bar)
+    finally:
+        bar.close()
+    stamp_path.write_text(json.dumps(stamp))
+    return timings, sft_out / "policy"
+
+
+def rl_overrides(out: Path, policy: Path) -> list[str]:
+    world = out / "world"
+    return [f"run_dir={out}", f"model.path={policy}",
+            f"data.train_files=[{world / 'train.parquet'}]",
+            f"data.test_files=[{world / 'test.parquet'}]",
+            f"retriever.index_dir={world / 'index'}",
+            "retriever.port=0", "learner.weight_sync_port=0", "learner.metrics_port=0",
+            "scorer.port=0", "scorer.metrics_port=0", f"learner.checkpoint_dir={out / 'checkpoints'}"]
+
+
+def run_demo(out: Path, quick: bool = False, overrides: list[str] | None = None,
+             fresh: bool = False, rollouts: int = 1) -> int:
+    from services.launch.progress import MetricsFollower
+    from services.launch.report import write_report
+    from services.launch.up import run_up
+
+    started = time.monotonic()
+    overrides = list(overrides or [])
+    config_file = QUICK_CONFIG if quick else DEMO_CONFIG
+    cfg = load_config(config_file, overrides)
+    out.mkdir(parents=True, exist_ok=True)
+    _say(f"forage demo{' --quick' if quick else ''}: output in {out}")
+    timings, policy = prepare(cfg, config_file, overrides, out, fresh)
+    # A fresh RL run each time: old metrics, checkpoints and streams are not mixed in.
+    for stale in ("metrics.jsonl", "checkpoints", "report", "demo.json"):
+        target = out / stale
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+    namespace = f"{cfg.redis.namespace}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_cfg = load_config(config_file, [*overrides, *rl_overrides(out, policy),
+                                        f"redis.namespace={namespace}"])
+    _say(f"[4/5] RL: {run_cfg.learner.adv_estimator}, {run_cfg.learner.total_steps} steps x "
+         f"{run_cfg.learner.train_batch_size} groups x {run_cfg.data.n_samples} samples, "
+         f"max_staleness {run_cfg.learner.max_staleness}; services' logs in {out / 'logs'}")
+    follower = MetricsFollower(out / "metrics.jsonl", emit=_say,
+                               total_steps=run_cfg.learner.total_steps)
+    rl_started = time.monotonic()
+    code = run_up(run_cfg, rollouts=rollouts, on_tick=lambda _sup: follower.poll())
+    follower.poll()
+    timings["rl_s"] = time.monotonic() - rl_started
+    if code != 0:
+        _say(f"forage demo: the run stopped (learner exit {code}); logs in {out / 'logs'}")
+        return code
+    info = {"wall_seconds": time.monotonic() - started, "quick": quick, "phases": timings,
+            "config": str(out / "config.yaml"), "namespace": namespace}
+    (out / "demo.json").write_text(json.dumps(info, indent=1))
+    _say("[5/5] report")
+    summary = write_report(out)
+    print_summary(summary, out)
+    return 0
+
+
+def print_summary(summary: dict[str, Any], out: Path) -> None:
+    def pct(value: Any) -> str:
+        return "n/a" if value is None else f"{100 * value:5.1f}%"
+
+    def num(value: Any) -> str:
+        return "n/a" if value is None else f"{value:.2f}"
+
+    rows = [
+        ("held-out EM (greedy)", pct(summary.get("em_before")), pct(summary.get("em_after"))),
+        ("searches per question", num(summary.get("searches_before")),
+         num(summary.get("searches_after"))),
+        ("train reward", num(summary.get("reward_first")), num(summary.get("reward_last"))),
+    ]
+    _say("")
+    _say(f"{'':24}{'before RL':>12}{'after RL':>12}")
+    for name, before, after in rows:
+        _say(f"{name:24}{before:>12}{after:>12}")
+    delta = summary.get("em_delta")
+    _say(f"EM change: {'n/a' if delta is None else f'{100 * delta:+.1f} points'}   "
+         f"steps: {summary.get('steps')}   wall: {summary.get('wall_seconds', 0):.0f}s")
+    _say(f"report: {out / 'report'}")
+
+
+def main_entry(out: str | None, quick: bool, overrides: list[str], fresh: bool,
+               rollouts: int) -> int:
+    target = Path(out or ("runs/demo-quick" if quick else "runs/demo")).resolve()
+    try:
+        return run_demo(target, quick=quick, overrides=overrides, fresh=fresh, rollouts=rollouts)
+    except DemoError as exc:
+        print(f"forage demo: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("forage demo: interrupted", file=sys.stderr)
+        return 130

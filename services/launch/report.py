@@ -1,0 +1,281 @@
+"""`forage report RUN_DIR`: the numbers of a finished (or running) run, from its metrics.jsonl.
+
+The learner appends one JSON line per step to ``RUN_DIR/metrics.jsonl`` (``"kind": "train"``)
+and one per evaluation (``"kind": "eval"``, step 0 = before any RL step). This module reads that
+file, condenses it into the handful of numbers a person asks first (did exact match go up, how
+long did it take, do the probe curves show the answer being decided before the reasoning), and
+writes them to ``RUN_DIR/report/summary.json`` next to PNG plots (drawn by ``report_plots``).
+
+Reading is forgiving because the file is written by a live process: a half-written last line or
+a line garbled by a crash is skipped with a warning naming its line number, not fatal. A step
+logged twice (a learner that restarted from an earlier checkpoint re-ran it) keeps its last
+line, since that is the run that continued.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("forage.report")
+
+METRICS_FILE = "metrics.jsonl"
+DEMO_FILE = "demo.json"
+SUMMARY_FILE = "summary.json"
+# Rows averaged for "first" and "last" values: one step is noisy (a batch of a few groups).
+EDGE_ROWS = 5
+PROBE_SPLITS = ("all", "correct", "incorrect")
+_AGGREGATES = {"mean", "std", "max", "min"}
+_PROBE_KEY = re.compile(r"^probe_(all|correct|incorrect)/score_at_(\d+(?:\.\d+)?)$")
+
+Row = dict[str, Any]
+
+
+class ReportError(Exception):
+    """The run directory cannot be reported on (missing, or no valid metrics line)."""
+
+
+@dataclass
+class MetricsLog:
+    """The parsed metrics file: rows by kind (sorted by step, one per step) and what was skipped."""
+
+    train: list[Row] = field(default_factory=list)
+    eval: list[Row] = field(default_factory=list)
+    malformed: int = 0
+
+
+def _number(value: Any) -> float | None:
+    """A finite float, or None for missing / non-numeric / NaN / inf (and bools, which are ints)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _dedupe_by_step(rows: list[Row]) -> list[Row]:
+    by_step: dict[float, Row] = {}
+    for row in rows:
+        by_step[row["step"]] = row  # later lines win: the resumed run replaced the earlier one
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def load_metrics(path: str | Path) -> MetricsLog:
+    """Parse a metrics.jsonl; malformed lines are counted and logged, never raised."""
+    path = Path(path)
+    result = MetricsLog()
+    train: list[Row] = []
+    evals: list[Row] = []
+    with path.open(encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                result.malformed += 1
+                log.warning("%s line %d: not JSON (%s); skipped", path, number, exc.msg)
+                continue
+            if not isinstance(row, dict) or _number(row.get("step")) is None:
+                result.malformed += 1
+                log.warning("%s line %d: not an object with a numeric 'step'; skipped",
+                            path, number)
+                continue
+            kind = row.get("kind")
+            if kind == "train":
+                train.append(row)
+            elif kind == "eval":
+                evals.append(row)
+            else:
+                result.malformed += 1
+                log.warning("%s line %d: unknown kind %r (expected 'train' or 'eval'); skipped",
+                            path, number, kind)
+    result.train = _dedupe_by_step(train)
+    result.eval = _dedupe_by_step(evals)
+    return result
+
+
+def read_metrics(path: str | Path) -> tuple[list[Row], list[Row]]:
+    """(train rows, eval rows) of a metrics.jsonl, each sorted by step; see ``load_metrics``."""
+    parsed = load_metrics(path)
+    return parsed.train, parsed.eval
+
+
+def read_demo_info(run_dir: str | Path) -> dict[str, Any] | None:
+    """``RUN_DIR/demo.json`` from ``forage demo``, or None when absent or unreadable."""
+    path = Path(run_dir) / DEMO_FILE
+    if not path.is_file():
+        return None
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        log.warning("%s: unreadable (%s); wall time falls back to metrics.jsonl", path, exc)
+        return None
+    if not isinstance(info, dict):
+        log.warning("%s: not a JSON object; ignored", path)
+        return None
+    return info
+
+
+def mean_of(rows: list[Row], key: str) -> float | None:
+    """Mean of ``key`` over the rows that have a finite number for it; None if none do."""
+    values = [v for v in (_number(row.get(key)) for row in rows) if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def series(rows: list[Row], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of the rows that have a finite number for ``key``: a plot's points."""
+    steps: list[float] = []
+    values: list[float] = []
+    for row in rows:
+        value = _number(row.get(key))
+        if value is not None:
+            steps.append(float(row["step"]))
+            values.append(value)
+    return steps, values
+
+
+def has_probe(row: Row) -> bool:
+    """Whether a train row carries any probe curve point (the probe ran on that step)."""
+    return bool(_probe_points(row))
+
+
+def _probe_points(row: Row) -> dict[tuple[str, float], float]:
+    """``{(split, fraction): score}`` of one row's ``probe_<split>/score_at_<f>`` keys."""
+    points: dict[tuple[str, float], float] = {}
+    for key, value in row.items():
+        match = _PROBE_KEY.match(key)
+        number = _number(value)
+        if match and number is not None:
+            points[(match.group(1), float(match.group(2)))] = number
+    return points
+
+
+def probe_curve(rows: list[Row]) -> dict[str, list[float | None]] | None:
+    """The probe curves averaged over ``rows``: fractions and one accuracy list per split.
+
+    Fractions are the union of the ``score_at_<f>`` keys seen, sorted; a split with no value at
+    a fraction (e.g. no incorrect trajectories in those steps) gets None there. None when no
+    row has probe data.
+    """
+    per_row = [_probe_points(row) for row in rows]
+    fractions = sorted({fraction for points in per_row for (_, fraction) in points})
+    if not fractions:
+        return None
+    curve: dict[str, list[float | None]] = {"fractions": list(fractions)}
+    for split in PROBE_SPLITS:
+        column: list[float | None] = []
+        for fraction in fractions:
+            values = [p[(split, fraction)] for p in per_row if (split, fraction) in p]
+            column.append(sum(values) / len(values) if values else None)
+        curve[split] = column
+    return curve
+
+
+def _eval_value(rows: list[Row], index: int, key: str) -> float | None:
+    return _number(rows[index].get(key)) if rows else None
+
+
+def _per_source(row: Row | None, prefix: str) -> dict[str, float]:
+    """``{data_source: value}`` from keys ``<prefix><data_source>`` of one row.
+
+    The learner writes the overall value under the same prefix (``eval/em/mean``), so the
+    aggregate names are not data sources.
+    """
+    if row is None:
+        return {}
+    out: dict[str, float] = {}
+    for key, value in row.items():
+        source = key[len(prefix):]
+        number = _number(value)
+        if (key.startswith(prefix) and number is not None and "/" not in source
+                and source not in _AGGREGATES):
+            out[source] = number
+    return out
+
+
+def _last_policy_version(train: list[Row], evals: list[Row]) -> int | None:
+    versions = [v for v in (_number(r.get("policy_version")) for r in train + evals)
+                if v is not None]
+    return int(max(versions)) if versions else None
+
+
+def _wall_seconds(train: list[Row], evals: list[Row], demo_info: dict[str, Any] | None
+                  ) -> float | None:
+    if demo_info is not None:
+        demo_wall = _number(demo_info.get("wall_seconds"))
+        if demo_wall is not None:
+            return demo_wall  # the whole demo (data, index, SFT, RL), not just the learner
+    elapsed = [v for v in (_number(r.get("elapsed_s")) for r in train + evals) if v is not None]
+    return max(elapsed) if elapsed else None
+
+
+def summarize(train_rows: list[Row], eval_rows: list[Row],
+              demo_info: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run's headline numbers; rows must be sorted by step (as ``read_metrics`` returns)."""
+    em_before = _eval_value(eval_rows, 0, "eval/em")
+    em_after = _eval_value(eval_rows, -1, "eval/em")
+    probe_rows = [row for row in train_rows if has_probe(row)]
+    first_train = train_rows[:EDGE_ROWS]
+    last_train = train_rows[-EDGE_ROWS:]
+    return {
+        "em_before": em_before,
+        "em_after": em_after,
+        "em_delta": (em_after - em_before
+                     if em_before is not None and em_after is not None else None),
+        "em_before_step": int(eval_rows[0]["step"]) if eval_rows else None,
+        "em_after_step": int(eval_rows[-1]["step"]) if eval_rows else None,
+        "em_before_by_source": _per_source(eval_rows[0] if eval_rows else None, "eval/em/"),
+        "em_after_by_source": _per_source(eval_rows[-1] if eval_rows else None, "eval/em/"),
+        "eval_n": _eval_value(eval_rows, -1, "eval/n"),
+        "searches_before": _eval_value(eval_rows, 0, "eval/searches/mean"),
+        "searches_after": _eval_value(eval_rows, -1, "eval/searches/mean"),
+        "steps": int(train_rows[-1]["step"]) if train_rows else 0,
+        "policy_version": _last_policy_version(train_rows, eval_rows),
+        "wall_seconds": _wall_seconds(train_rows, eval_rows, demo_info),
+        "reward_first": mean_of(first_train, "reward/mean"),
+        "reward_last": mean_of(last_train, "reward/mean"),
+        "train_em_first": mean_of(first_train, "em/mean"),
+        "train_em_last": mean_of(last_train, "em/mean"),
+        "probe_start": probe_curve(probe_rows[:EDGE_ROWS]),
+        "probe_end": probe_curve(probe_rows[-EDGE_ROWS:]),
+        "probe_overconf_start": mean_of(probe_rows[:EDGE_ROWS], "probe_all/overconf"),
+        "probe_overconf_end": mean_of(probe_rows[-EDGE_ROWS:], "probe_all/overconf"),
+        "train_lines": len(train_rows),
+        "eval_lines": len(eval_rows),
+    }
+
+
+def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict[str, Any]:
+    """Write summary.json and the PNG plots of a run; returns the summary.
+
+    ``out_dir`` defaults to ``RUN_DIR/report``. The summary's ``files`` lists what was written
+    (names relative to ``out_dir``). Raises ReportError naming the path when the run directory
+    or its metrics file is missing, or the file holds no valid line.
+    """
+    from services.launch.report_plots import write_plots  # matplotlib only when plotting
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ReportError(f"run directory {run_dir} does not exist (or is not a directory)")
+    metrics_path = run_dir / METRICS_FILE
+    if not metrics_path.is_file():
+        raise ReportError(f"{metrics_path} does not exist: the learner writes it once it runs "
+                          "its first step or evaluation")
+    parsed = load_metrics(metrics_path)
+    if not parsed.train and not parsed.eval:
+        raise ReportError(f"{metrics_path} holds no valid train or eval line "
+                          f"({parsed.malformed} malformed line(s) skipped)")
+    summary = summarize(parsed.train, parsed.eval, read_demo_info(run_dir))
+    summary["malformed_lines"] = parsed.malformed
+    out = Path(out_dir) if out_dir is not None else run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(out, parsed.train, parsed.eval, summary)
+    summary["files"] = [SUMMARY_FILE, *(path.name for path in plots)]
+    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n",
+                                    encoding="utf-8")
+    return summary

@@ -1,0 +1,107 @@
+"""Per-step metrics of a batch of scored trajectories (pure: lists in, flat dict out).
+
+Names are the JSON-line keys of `RUN_DIR/metrics.jsonl` (docs/learner.md) and, for the probe,
+TinyZero-PRM's (DESIGN.md 5). "Correct" means reward >= 1, the same rule the scorer applies to
+probe completions, so EM here and the probe's correct/incorrect split agree.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from services.common.trajectory import FINISH_REASONS, ScoredTrajectory
+from services.scorer.rewards.probe import CORRECT_THRESHOLD, overconfidence
+
+
+def is_correct(item: ScoredTrajectory) -> bool:
+    return float(item.reward) >= CORRECT_THRESHOLD
+
+
+def _mean(values: Iterable[float]) -> float:
+    values = list(values)
+    return float(np.mean(values)) if values else 0.0
+
+
+def _std(values: Iterable[float]) -> float:
+    values = list(values)
+    return float(np.std(values)) if values else 0.0
+
+
+def trajectory_metrics(
+    items: Sequence[ScoredTrajectory], current_version: int | None = None, prefix: str = ""
+) -> dict[str, float]:
+    """Reward / EM per data source, lengths, turns, searches, invalid actions, finish reasons,
+    and (given the learner's current version) staleness = current - behaviour version."""
+    if not items:
+        return {}
+    out: dict[str, float] = {}
+    rewards = [float(i.reward) for i in items]
+    out[f"{prefix}reward/mean"] = _mean(rewards)
+    out[f"{prefix}reward/std"] = _std(rewards)
+    out[f"{prefix}em/mean"] = _mean(float(is_correct(i)) for i in items)
+    by_source: dict[str, list[ScoredTrajectory]] = defaultdict(list)
+    for item in items:
+        by_source[item.trajectory.data_source].append(item)
+    for source, group in sorted(by_source.items()):
+        out[f"{prefix}reward/{source}/mean"] = _mean(float(i.reward) for i in group)
+        out[f"{prefix}em/{source}"] = _mean(float(is_correct(i)) for i in group)
+    trajs = [i.trajectory for i in items]
+    out[f"{prefix}response_length/mean"] = _mean(len(t.response_ids) for t in trajs)
+    out[f"{prefix}response_length/max"] = float(max(len(t.response_ids) for t in trajs))
+    out[f"{prefix}policy_tokens/mean"] = _mean(t.num_policy_tokens for t in trajs)
+    out[f"{prefix}turns/mean"] = _mean(len(t.turns) for t in trajs)
+    out[f"{prefix}searches/mean"] = _mean(t.num_searches for t in trajs)
+    out[f"{prefix}invalid/mean"] = _mean(t.num_invalid for t in trajs)
+    for reason in FINISH_REASONS:
+        out[f"{prefix}finish/{reason}"] = _mean(float(t.finish_reason == reason) for t in trajs)
+    if current_version is not None:
+        staleness = [current_version - int(t.policy_version) for t in trajs]
+        out[f"{prefix}staleness/mean"] = _mean(staleness)
+        out[f"{prefix}staleness/max"] = float(max(staleness))
+    return out
+
+
+def _curve_metrics(split: str, fractions: Sequence[float], curves: list[list[float]]
+                   ) -> dict[str, float]:
+    if not curves:
+        return {}
+    curve = np.mean(np.asarray(curves, dtype=np.float64), axis=0)
+    out = {f"probe_{split}/score_at_{f:.2f}": float(v) for f, v in zip(fractions, curve,
+                                                                        strict=True)}
+    out[f"probe_{split}/mean_score"] = float(curve.mean())
+    out[f"probe_{split}/overconf"] = float(overconfidence(curve.tolist()))
+    return out
+
+
+def probe_metrics(items: Sequence[ScoredTrajectory]) -> dict[str, float]:
+    """The probe curve (accuracy vs fraction of reasoning seen) over probed trajectories, for
+    all / correct / incorrect ones, with overconfidence; {} when nothing in the batch was probed.
+    Trajectories probed on a different fraction grid than the first one are left out."""
+    probed = [i for i in items if i.probe_scores is not None and i.trajectory.probe is not None]
+    if not probed:
+        return {}
+    fractions = list(probed[0].trajectory.probe.fractions)
+    probed = [i for i in probed if list(i.trajectory.probe.fractions) == fractions
+              and len(i.probe_scores) == len(fractions)]
+    correct = [list(map(float, i.probe_scores)) for i in probed if is_correct(i)]
+    incorrect = [list(map(float, i.probe_scores)) for i in probed if not is_correct(i)]
+    out = _curve_metrics("all", fractions, correct + incorrect)
+    out.update(_curve_metrics("correct", fractions, correct))
+    out.update(_curve_metrics("incorrect", fractions, incorrect))
+    out["probe_all/n_correct"] = float(len(correct))
+    out["probe_all/n_incorrect"] = float(len(incorrect))
+    return out
+
+
+def overconfidence_per_row(items: Sequence[ScoredTrajectory]) -> list[float | None]:
+    """Each trajectory's overconfidence (None when it was not probed), for probe shaping."""
+    out: list[float | None] = []
+    for item in items:
+        if item.probe_scores:
+            out.append(float(overconfidence([float(s) for s in item.probe_scores])))
+        else:
+            out.append(None)
+    return out

@@ -1,0 +1,100 @@
+"""Where the learner's prompt groups come from: dataset rows in seeded epochs.
+
+The order of epoch e is a permutation seeded by (seed, e), so the data cursor in a checkpoint is
+just (epoch, position): a resumed run issues exactly the rows an uninterrupted one would. A group's
+uid names its row and epoch (`e{epoch}-r{row}`), which keeps uids unique across epochs and lets
+a log line be traced back to the dataset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from services.common.trajectory import PromptGroup
+
+
+def epoch_order(n_rows: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
+    """Row order of one epoch: a permutation seeded by (seed, epoch), or 0..n-1."""
+    if not shuffle:
+        return list(range(n_rows))
+    return np.random.default_rng([seed, epoch]).permutation(n_rows).tolist()
+
+
+def ground_truth_of(row: dict[str, Any]) -> Any:
+    """verl's `reward_model.ground_truth` (the whole reward_model when it has none)."""
+    reward_model = row.get("reward_model") or {}
+    if isinstance(reward_model, dict) and "ground_truth" in reward_model:
+        return reward_model["ground_truth"]
+    return reward_model
+
+
+def group_from_row(
+    row: dict[str, Any],
+    uid: str,
+    n: int,
+    *,
+    kind: str = "train",
+    policy_version_min: int = 0,
+    attempt: int = 0,
+    sampling: dict[str, float] | None = None,
+) -> PromptGroup:
+    extra = dict(row.get("extra_info") or {})
+    return PromptGroup(
+        uid=uid,
+        data_source=str(row["data_source"]),
+        prompt=row["prompt"],
+        ground_truth=ground_truth_of(row),
+        n=n,
+        extra=extra,
+        policy_version_min=policy_version_min,
+        kind=kind,  # type: ignore[arg-type]
+        sampling=dict(sampling or {}),
+        attempt=attempt,
+    )
+
+
+class PromptSource:
+    """Endless stream of (uid, row index) over `rows` in seeded epochs, with a resumable cursor."""
+
+    def __init__(self, rows: Sequence[dict[str, Any]], seed: int, shuffle: bool = True) -> None:
+        if not rows:
+            raise ValueError("the training set has no rows (data.train_files)")
+        self.rows = rows
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0
+        self._order = epoch_order(len(rows), seed, 0, shuffle)
+
+    def next(self) -> tuple[str, int]:
+        if self.position >= len(self._order):
+            self.epoch += 1
+            self.position = 0
+            self._order = epoch_order(len(self.rows), self.seed, self.epoch, self.shuffle)
+        index = self._order[self.position]
+        self.position += 1
+        return f"e{self.epoch}-r{index}", index
+
+    def take(self, count: int) -> list[tuple[str, int]]:
+        return [self.next() for _ in range(count)]
+
+    def cursor(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def restore(self, cursor: dict[str, Any]) -> None:
+        self.epoch = int(cursor.get("epoch", 0))
+        self.position = int(cursor.get("position", 0))
+        self._order = epoch_order(len(self.rows), self.seed, self.epoch, self.shuffle)
+
+
+def load_dataset(files: Iterable[str], limit: int | None = None) -> list[dict[str, Any]]:
+    """Rows of every RL parquet in `files`, checked (DatasetError names file, row and column)."""
+    from services.tasks.datasets import load_rows
+
+    rows: list[dict[str, Any]] = []
+    for path in files:
+        rows.extend(load_rows(path, kind="rl"))
+    return rows[:limit] if limit is not None else rows

@@ -1,0 +1,200 @@
+"""`forage demo --quick` end to end, fault drills on a running `forage up`, and Ctrl-C.
+
+All on real processes: the demo's own world, index, tokenizer, SFT policy, Redis, retriever,
+learner, scorer and rollout. The quick demo's output (world + SFT policy) is built once per
+session and reused by the drills, which run their own `forage up` on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+import yaml
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT),
+                                                        os.environ.get("PYTHONPATH", "")]))
+
+
+@pytest.fixture(scope="session")
+def quick_demo(tmp_path_factory, redis_url):
+    out = tmp_path_factory.mktemp("demo") / "run"
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "demo", "--quick", "--out",
+                           str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=900)
+    wall = time.monotonic() - started
+    return out, proc, wall
+
+
+def _dump_logs(out: Path) -> str:
+    parts = []
+    for path in sorted((out / "logs").glob("*.log")):
+        parts.append(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace")
+                                                      .splitlines()[-25:]))
+    return "\n".join(parts)
+
+
+def test_quick_demo_runs_every_service_and_writes_a_report(quick_demo, redis_url):
+    out, proc, wall = quick_demo
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + _dump_logs(out)
+    # every service ran and logged
+    for name in ("retriever", "learner", "scorer", "rollout-0"):
+        assert (out / "logs" / f"{name}.log").stat().st_size > 0, name
+    events = json.loads((out / "services.json").read_text())["events"]
+    assert {e["service"] for e in events if e["event"] == "start"} == {
+        "retriever", "learner", "scorer", "rollout-0"}
+    # trajectories flowed through every stream of the run's namespace
+    info = json.loads((out / "demo.json").read_text())
+    client = redis.Redis.from_url(yaml.safe_load((out / "config.yaml").read_text())
+                                  ["redis"]["url"])
+    for kind in ("prompts", "rollouts", "scored"):
+        groups = client.xinfo_groups(f"{info['namespace']}:{kind}")
+        assert groups and groups[0]["entries-read"] > 0, kind
+    # the steps ran, weights were synced at least twice, evaluation before and after
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [m for m in lines if m["kind"] == "train"]
+    evals = [m for m in lines if m["kind"] == "eval"]
+    assert [m["step"] for m in train] == [1, 2, 3, 4]
+    assert [m["step"] for m in evals] == [0, 4] and all(m["eval/n"] == 8 for m in evals)
+    loads = (out / "logs" / "rollout-0.log").read_text().count("loaded policy version")
+    assert loads >= 2
+    assert any("probe_all/score_at_0.00" in m for m in train)  # the probe ran and was scored
+    # the report
+    summary = json.loads((out / "report" / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["em_before"] is not None
+    assert summary["wall_seconds"] == pytest.approx(info["wall_seconds"])
+    for png in ("reward_em.png", "searches.png", "response_length.png", "probe_curve.png"):
+        assert (out / "report" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "held-out EM" in proc.stdout
+    print(f"quick demo wall time: {wall:.0f}s")
+
+
+def _up(config: Path, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--config", str(config)],
+                            cwd=ROOT, env=_env(), stdout=log.open("w"),
+                            stderr=subprocess.STDOUT)
+
+
+def _drill_config(quick_demo, tmp_path: Path, **learner) -> Path:
+    out, proc, _ = quick_demo
+    assert proc.returncode == 0, "the quick demo failed; see its test"
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    run_dir = tmp_path / "drill"
+    cfg["run_dir"] = str(run_dir)
+    cfg["redis"]["namespace"] = f"drill-{time.time_ns()}"
+    cfg["learner"].update({"checkpoint_dir": str(run_dir / "checkpoints"), "metrics_port": 0,
+                           "weight_sync_port": 0, "eval_before": False, "eval_at_end": False,
+                           "save_every": 1, "group_timeout_s": 20, **learner})
+    cfg["retriever"]["port"] = 0
+    cfg["scorer"].update({"port": 0, "metrics_port": 0})
+    cfg["redis"]["visibility_timeout_s"] = 5
+    path = tmp_path / "drill.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _pids(run_dir: Path) -> dict[str, int]:
+    try:
+        return json.loads((run_dir / "services.json").read_text())["pids"]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def _steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["kind"] == "train"]
+
+
+def _wait(predicate, proc, log: Path, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"forage up exited {proc.returncode} waiting for {what}:\n"
+                                 + log.read_text()[-3000:])
+        if predicate():
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}:\n{log.read_text()[-3000:]}")
+
+
+def test_fault_drills(quick_demo, tmp_path):
+    """Kill rollout, scorer, retriever and learner mid-run: the run completes, nothing is lost."""
+    config = _drill_config(quick_demo, tmp_path, total_steps=6)
+    run_dir = tmp_path / "drill"
+    log = tmp_path / "up.log"
+    proc = _up(config, log)
+    try:
+        plan = [(1, "rollout-0"), (2, "scorer"), (3, "retriever"), (4, "learner")]
+        for step, victim in plan:
+            _wait(lambda s=step: len(_steps(run_dir)) >= s, proc, log, 240, f"step {step}")
+            pid = _pids(run_dir)[victim]
+            os.kill(pid, signal.SIGKILL)
+            _wait(lambda v=victim, p=pid: _pids(run_dir).get(v, p) != p, proc, log, 30,
+                  f"{victim} restarted")
+        assert proc.wait(timeout=400) == 0, log.read_text()[-4000:] + _dump_logs(run_dir)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=120)
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [m for m in lines if m["kind"] == "train"]
+    # the steps continue from the checkpoint: 1..6 each once (a redone step replaces its line)
+    assert [m["step"] for m in train] == [1, 2, 3, 4, 5, 6]
+    last = train[-1]
+    assert last["groups/balanced"] == 1
+    assert last["groups/issued"] == (last["groups/trained"] + last["groups/dropped_groups"]
+                                     + last["groups/in_flight"])
+    assert "resumed from" in (run_dir / "logs" / "learner.log").read_text()
+    events = json.loads((run_dir / "services.json").read_text())["events"]
+    restarted = {e["service"] for e in events if e["event"] == "exit"}
+    assert restarted == {"rollout-0", "scorer", "retriever", "learner"}
+    # no child outlived `forage up`
+    for event in events:
+        if event["event"] == "start":
+            assert not _alive(event["pid"]), event
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie awaiting its reaper is not running
+        return "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+
+
+def test_ctrl_c_stops_every_child(quick_demo, tmp_path):
+    config = _drill_config(quick_demo, tmp_path, total_steps=1000)
+    run_dir = tmp_path / "drill"
+    log = tmp_path / "up.log"
+    proc = _up(config, log)
+    try:
+        _wait(lambda: len(_pids(run_dir)) == 4 and len(_steps(run_dir)) >= 1, proc, log, 240,
+              "all four services and a first step")
+        pids = _pids(run_dir)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=150) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(0.5)
+    assert [name for name, pid in pids.items() if _alive(pid)] == []
+    assert (run_dir / "checkpoints" / "latest").exists()  # the learner checkpointed on the way out
