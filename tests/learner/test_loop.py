@@ -232,3 +232,28 @@ def test_weight_client_sees_published_versions(tmp_path, redis_url, namespace, t
         if proc.poll() is None:
             proc.kill()
     assert read_metrics(tmp_path / "run")[-1]["policy_version"] == 2
+
+
+def test_two_ranks_follow_rank_zero(tmp_path, redis_url, namespace, tiny_policy):
+    """Under torchrun with 2 CPU ranks, rank 0 drives the streams and rank 1 follows every
+    collective (steps, weight export, checkpoint) to a clean exit."""
+    config = write_run(tmp_path, redis_url, namespace, tiny_policy, total_steps=2, zero_stage=2)
+    log = tmp_path / "learner.log"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc_per_node=2", "-m",
+                             "services.cli", "learner", "train", "--config", str(config)],
+                            cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    script = Script(redis_url, namespace)
+    try:
+        script.serve(proc, lambda g, n: "normal", until=time.time() + 240)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in lines] == [1, 2]
+    assert all(m["throughput/trajectories"] == 4 for m in lines)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000002"
+    assert (ckpt / "rng_rank0.json").exists() and (ckpt / "rng_rank1.json").exists()

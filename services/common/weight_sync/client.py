@@ -22,7 +22,7 @@ import torch
 from prometheus_client import Counter, Histogram
 
 from services.common.proto_gen.forage import weight_sync_pb2 as pb
-from services.common.weight_sync import wire
+from services.common.weight_sync import malloc_tuning, wire
 from services.common.weight_sync.wire import WeightSyncError
 
 log = logging.getLogger("forage.weight_sync")
@@ -89,6 +89,16 @@ class _Hasher:
             self._thread.join()
 
 
+class _Inline:
+    def __init__(self, algo):
+        self._hash = wire.new_hasher(algo)
+        self.submit = self._hash.update
+    def digest(self):
+        return self._hash.hexdigest()
+    def close(self):
+        pass
+
+
 class WeightSyncClient:
     """Talks to one learner's `WeightSync` service at `address` ("host:port")."""
 
@@ -100,7 +110,12 @@ class WeightSyncClient:
         fetch_timeout_s: float | None = None,
         max_message_bytes: int = 256 << 20,
         grpc_options: list[tuple[str, object]] | None = None,
+        tune_malloc: bool = True,
+        hash_thread: bool = True,
     ) -> None:
+        if tune_malloc:
+            malloc_tuning.keep_receive_buffers()
+        self.hash_thread = hash_thread
         self.address = address
         self.timeout_s = timeout_s
         self.fetch_timeout_s = fetch_timeout_s
@@ -207,7 +222,7 @@ class WeightSyncClient:
             if expect is not None:
                 _check_expected(layout, expect)
             staging, targets = _staging(layout)
-            hasher = _Hasher(manifest.checksum_algo)
+            hasher = _Hasher(manifest.checksum_algo) if self.hash_thread else _Inline(manifest.checksum_algo)
             cursor = 0
             index = 0  # first target whose bytes are not all written yet
             final: wire.DecodedChunk | None = None
