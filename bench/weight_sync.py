@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import socket
 import sys
 import threading
@@ -96,20 +97,23 @@ def main() -> None:
     parser.add_argument("--size-mb", type=int, default=1024)
     parser.add_argument("--chunk-mb", type=float, default=4.0)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--checksum", default="sha256", help="sha256 | sha1 | blake2b | crc32")
+    parser.add_argument("--checksum", default=None,
+                        help="sha256 | sha1 | blake2b | crc32 (default: the server's, crc32)")
     args = parser.parse_args()
 
     import numpy as np
     import torch
 
-    from services.common.weight_sync import WeightSyncClient
+    from services.common.weight_sync import WeightSyncClient, wire
+
+    checksum = args.checksum or wire.DEFAULT_CHECKSUM
 
     torch.set_num_threads(1)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     chunk_bytes = int(args.chunk_mb * (1 << 20))
     learner = ctx.Process(
-        target=_learner, args=(args.size_mb, chunk_bytes, args.checksum, child)
+        target=_learner, args=(args.size_mb, chunk_bytes, checksum, child)
     )
     learner.start()
     try:
@@ -149,8 +153,10 @@ def main() -> None:
         if learner.is_alive():
             learner.terminate()
     grpc_rate, tcp_rate = total / grpc_best, total / tcp_best
-    print(f"size {total / 2**20:.0f} MiB bf16, chunk {args.chunk_mb} MiB: "
+    print(f"size {total / 2**20:.0f} MiB bf16, chunk {args.chunk_mb} MiB, {checksum}: "
           f"gRPC fetch {grpc_rate / 1e9:.2f} GB/s, TCP copy {tcp_rate / 1e9:.2f} GB/s")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"load average: {load} on {os.cpu_count()} cores")
     print(f"ratio: {grpc_rate / tcp_rate:.2f}")
 
 

@@ -81,7 +81,8 @@ class SftProgress:
         from tqdm import tqdm
 
         self.path = path
-        self.bar = tqdm(total=total, desc="sft", unit="step")
+        # disable=None: a bar on a terminal, nothing when the output is a file or a pipe
+        self.bar = tqdm(total=total, desc="sft", unit="step", disable=None)
         self.seen = 0
 
     def __call__(self) -> None:

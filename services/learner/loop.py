@@ -565,7 +565,7 @@ class LearnerLoop:
         log.info("evaluating %d test questions with policy version %d", len(uids), version)
         from tqdm import tqdm
 
-        bar = tqdm(total=len(uids), desc=f"eval v{version}", leave=False)
+        bar = tqdm(total=len(uids), desc=f"eval v{version}", leave=False, disable=None)
         deadline = started + self.learner.eval_timeout_s
         while self.eval_pending and time.monotonic() < deadline and not self.stopping:
             self._receive(self.learner.poll_ms)

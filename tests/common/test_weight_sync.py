@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import zlib
 
 import pytest
 import torch
@@ -78,7 +79,13 @@ def test_round_trip_mixed_dtypes_and_multi_message_tensors(server):
         assert {t.name: t.dtype for t in info.tensors}["layer.0.bf16"] == "bfloat16"
         assert list(info.tensors[0].shape) == [64, 48]
         assert info.total_bytes == sum(v.numel() * v.element_size() for v in expected.values())
-        assert info.checksum == manifest.checksum and len(info.checksum) == 64
+        assert info.checksum == manifest.checksum
+        # the default checksum is zlib's CRC-32 of the raw bytes, in manifest order
+        assert info.checksum_algo == wire.DEFAULT_CHECKSUM == "crc32"
+        crc = 0
+        for tensor in expected.values():
+            crc = zlib.crc32(wire.as_bytes(tensor.contiguous()), crc)
+        assert info.checksum == f"{crc:08x}"
         assert info.total_bytes > 20 * CHUNK
         got_version, got = client.fetch()
         assert got_version == 3
@@ -181,6 +188,23 @@ def test_broken_transfers_are_rejected_and_old_weights_kept(server_cls, reason):
         _follower_rejects(srv, reason)
     finally:
         srv.stop(0)
+
+
+@pytest.mark.parametrize("algo", wire.CHECKSUMS)
+def test_every_checksum_algorithm_round_trips_and_catches_a_flipped_byte(algo):
+    for server_cls in (WeightSyncServer, CorruptingServer):
+        srv = server_cls(chunk_bytes=CHUNK, checksum_algo=algo).start()
+        try:
+            srv.publish(state_dict(), 1)
+            with client_for(srv) as client:
+                if server_cls is WeightSyncServer:
+                    assert_same(state_dict(), client.fetch()[1])
+                    continue
+                with pytest.raises(WeightSyncError) as err:
+                    client.fetch()
+                assert err.value.reason == "checksum" and algo in str(err.value)
+        finally:
+            srv.stop(0)
 
 
 class DroppingProxy:

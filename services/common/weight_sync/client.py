@@ -1,18 +1,19 @@
 """Rollout side of weight sync: fetch a version into staging, verify it, then hand it over.
 
-`fetch` allocates one staging tensor per manifest entry and copies each chunk's bytes straight
-into them (one copy per byte; bf16 lands as bf16). Nothing is returned until the stream was
-complete, in order, consistent with the manifest and matched its checksum, so a corrupt,
-truncated or superseded transfer raises `WeightSyncError` and the caller's weights stay as
-they were. The checksum runs on a helper thread while the next chunks arrive (hashlib releases
-the GIL), so verification costs little wall time on a multi-core host.
+`fetch` allocates one staging buffer (tensors are views of it) and copies each chunk's bytes
+straight into it (one copy per byte; bf16 lands as bf16), updating the checksum on the same
+bytes while they are still in cache. Nothing is returned until the stream was complete, in
+order, consistent with the manifest and matched its checksum, so a corrupt, truncated or
+superseded transfer raises `WeightSyncError` and the caller's weights stay as they were.
+
+The checksum runs inline on the receiving thread. A helper thread (tried before) only pays
+where a core is idle; on the 2-core hosts measured, where the learner, gRPC's own threads and
+this loop already share the cores, it made fetches slower (GIL hand-offs, chunks held longer).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from collections.abc import Mapping
 
@@ -55,52 +56,13 @@ def _rpc_error(exc: grpc.RpcError) -> WeightSyncError:
     return WeightSyncError(reason, f"{getattr(code, 'name', code)}: {details}")
 
 
-class _Hasher:
-    """Hashes payloads in order on a helper thread; `digest()` waits for the backlog.
-
-    hashlib releases the GIL on large buffers, so the checksum overlaps the receive loop. The
-    copy into staging stays on the receiving thread: moving it to this thread too measured
-    slower (more GIL hand-offs per chunk than the copy itself costs).
-    """
-
-    def __init__(self, algo: str, backlog: int = 8) -> None:
-        self._hash = wire.new_hasher(algo)
-        self._queue: queue.Queue[memoryview | None] = queue.Queue(maxsize=backlog)
-        self._thread = threading.Thread(target=self._run, name="weight-sync-hash", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            self._hash.update(item)
-
-    def submit(self, data: memoryview) -> None:
-        self._queue.put(data)
-
-    def digest(self) -> str:
-        self.close()
-        return self._hash.hexdigest()
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-
-
-class _Inline:
-    def __init__(self, algo):
-        self._hash = wire.new_hasher(algo)
-        self.submit = self._hash.update
-    def digest(self):
-        return self._hash.hexdigest()
-    def close(self):
-        pass
-
-
 class WeightSyncClient:
-    """Talks to one learner's `WeightSync` service at `address` ("host:port")."""
+    """Talks to one learner's `WeightSync` service at `address` ("host:port").
+
+    Unless `tune_malloc=False`, constructing one pins glibc's malloc thresholds for the whole
+    process (`malloc_tuning.keep_receive_buffers`): without it every received message lands on
+    freshly faulted pages, which measured as the largest single cost of a fetch.
+    """
 
     def __init__(
         self,
@@ -111,11 +73,9 @@ class WeightSyncClient:
         max_message_bytes: int = 256 << 20,
         grpc_options: list[tuple[str, object]] | None = None,
         tune_malloc: bool = True,
-        hash_thread: bool = True,
     ) -> None:
         if tune_malloc:
             malloc_tuning.keep_receive_buffers()
-        self.hash_thread = hash_thread
         self.address = address
         self.timeout_s = timeout_s
         self.fetch_timeout_s = fetch_timeout_s
@@ -202,7 +162,6 @@ class WeightSyncClient:
                                  metadata=self._metadata)
         except grpc.RpcError as exc:
             raise _rpc_error(exc) from None
-        hasher: _Hasher | None = None
         try:
             try:
                 first = wire.decode_chunk(next(stream))
@@ -222,7 +181,7 @@ class WeightSyncClient:
             if expect is not None:
                 _check_expected(layout, expect)
             staging, targets = _staging(layout)
-            hasher = _Hasher(manifest.checksum_algo) if self.hash_thread else _Inline(manifest.checksum_algo)
+            hasher = wire.new_hasher(manifest.checksum_algo)
             cursor = 0
             index = 0  # first target whose bytes are not all written yet
             final: wire.DecodedChunk | None = None
@@ -244,7 +203,6 @@ class WeightSyncClient:
                     raise WeightSyncError(
                         "corrupt", f"chunk names {chunk.name!r} at offset {cursor}, manifest "
                         f"has {targets[index][0].name!r}")
-                hasher.submit(data)
                 pos = 0
                 while pos < len(data):
                     spec, dest = targets[index]
@@ -255,6 +213,7 @@ class WeightSyncClient:
                     cursor += take
                     if inner + take == spec.nbytes:
                         index += 1
+                hasher.update(data)  # after the copy: the bytes are still in cache
             if final is None:
                 raise WeightSyncError(
                     "truncated", f"stream ended at byte {cursor} of {manifest.total_bytes} "
@@ -262,8 +221,7 @@ class WeightSyncClient:
             if cursor != manifest.total_bytes:
                 raise WeightSyncError(
                     "truncated", f"received {cursor} of {manifest.total_bytes} bytes")
-            digest = hasher.digest()
-            hasher = None
+            digest = hasher.hexdigest()
             expected = {final.checksum, manifest.checksum or final.checksum}
             if expected != {digest}:
                 raise WeightSyncError(
@@ -272,8 +230,6 @@ class WeightSyncClient:
         except grpc.RpcError as exc:
             raise _rpc_error(exc) from None
         finally:
-            if hasher is not None:
-                hasher.close()
             stream.cancel()
         elapsed = time.perf_counter() - started
         FETCH_SECONDS.observe(elapsed)

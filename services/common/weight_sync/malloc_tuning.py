@@ -28,13 +28,11 @@ log = logging.getLogger("forage.weight_sync")
 
 # mallopt(3) parameter numbers (glibc's malloc.h)
 M_TRIM_THRESHOLD = -1
-M_TOP_PAD = -2
 M_MMAP_THRESHOLD = -3
 # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: the most mallopt accepts and the ceiling of the
 # dynamic threshold; its dynamic rule sets the trim threshold to twice the mmap threshold.
 MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 2 * MMAP_THRESHOLD
-TOP_PAD = int(__import__('os').environ.get('TOPPAD', 0))
 
 _lock = threading.Lock()
 _applied: bool | None = None
@@ -67,8 +65,6 @@ def _apply() -> bool:
     mallopt.restype = ctypes.c_int
     ok = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
         mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-    if TOP_PAD:
-        ok = ok and bool(mallopt(M_TOP_PAD, TOP_PAD))
     log.debug("glibc malloc thresholds %s: mmap %d, trim %d",
               "pinned" if ok else "refused", MMAP_THRESHOLD, TRIM_THRESHOLD)
     return ok

@@ -28,7 +28,10 @@ AUTH_METADATA_KEY = "authorization"
 # Extra gRPC channel arguments both ends use; kept empty after measuring: frame size,
 # lookahead and TCP read sizes moved loopback throughput less than the run-to-run noise.
 TRANSPORT_OPTIONS: list[tuple[str, object]] = []
-DEFAULT_CHECKSUM = "sha256"  # hardware-accelerated (SHA-NI / ARMv8) at ~1.6 GB/s per core here
+# CRC-32 (zlib, ~4 GB/s per core here, vs ~1.7 GB/s for SHA-NI sha256): it catches corrupted,
+# misplaced or missing bytes, not deliberate tampering (that is what the bearer token is for).
+# A fetch hashes on the receiving thread, so the checksum's speed is part of the transfer rate.
+DEFAULT_CHECKSUM = "crc32"
 
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -54,7 +57,11 @@ class WeightSyncError(RuntimeError):
 
 
 class _Crc32:
-    """zlib's CRC-32 behind hashlib's interface: ~2x faster than sha256 here, but 32 bits."""
+    """zlib's CRC-32 behind hashlib's interface: ~2.3x faster than sha256 here, but 32 bits.
+
+    Detects every burst error of up to 32 bits and other random corruption with probability
+    1 - 2**-32; it is not a cryptographic hash, so it says nothing against a forger.
+    """
 
     def __init__(self) -> None:
         self._value = 0
