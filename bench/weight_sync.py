@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import resource
 import socket
 import sys
 import threading
@@ -80,6 +81,11 @@ def _learner(size_mb: int, chunk_bytes: int, checksum: str, conn) -> None:
     server.stop(0)
 
 
+def _minor_faults() -> int:
+    """Page faults of this process so far: first touches of fresh memory, a large hidden cost."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _tcp_fetch(port: int, total: int, buffer: memoryview) -> float:
     started = time.perf_counter()
     with socket.create_connection(("127.0.0.1", port)) as sock:
@@ -99,6 +105,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--checksum", default=None,
                         help="sha256 | sha1 | blake2b | crc32 (default: the server's, crc32)")
+    parser.add_argument("--hash-thread", choices=("auto", "on", "off"), default="auto",
+                        help="checksum on a helper thread (auto: with 4+ cores)")
     args = parser.parse_args()
 
     import numpy as np
@@ -118,7 +126,9 @@ def main() -> None:
     learner.start()
     try:
         grpc_port, tcp_port, total = parent.recv()
-        client = WeightSyncClient(f"127.0.0.1:{grpc_port}", max_message_bytes=1 << 30)
+        hash_thread = {"auto": None, "on": True, "off": False}[args.hash_thread]
+        client = WeightSyncClient(f"127.0.0.1:{grpc_port}", max_message_bytes=1 << 30,
+                                  hash_thread=hash_thread)
         # The first large allocation of a fresh process pays first-touch page faults (1+ s per
         # GB on the VMs measured); pay them once here so neither transport is charged for them.
         warm = np.empty(total, dtype=np.uint8)
@@ -126,26 +136,28 @@ def main() -> None:
         del warm
         grpc_best = tcp_best = float("inf")
         for attempt in range(args.repeats):
-            def run_grpc() -> float:
+            def run_grpc() -> tuple[float, int]:
+                faults = _minor_faults()
                 started = time.perf_counter()
                 version, tensors = client.fetch()
                 elapsed = time.perf_counter() - started
                 assert sum(t.numel() * t.element_size() for t in tensors.values()) == total
-                return elapsed
+                return elapsed, _minor_faults() - faults
 
-            def run_tcp() -> float:
+            def run_tcp() -> tuple[float, int]:
+                faults = _minor_faults()
                 buffer = np.empty(total, dtype=np.uint8)
-                return _tcp_fetch(tcp_port, total, memoryview(buffer))
+                return _tcp_fetch(tcp_port, total, memoryview(buffer)), _minor_faults() - faults
 
             if attempt % 2:  # alternate the order, so neither always runs on a warmer heap
-                tcp_elapsed, elapsed = run_tcp(), run_grpc()
+                (tcp_elapsed, tcp_faults), (elapsed, faults) = run_tcp(), run_grpc()
             else:
-                elapsed, tcp_elapsed = run_grpc(), run_tcp()
+                (elapsed, faults), (tcp_elapsed, tcp_faults) = run_grpc(), run_tcp()
             grpc_best = min(grpc_best, elapsed)
             tcp_best = min(tcp_best, tcp_elapsed)
             print(f"run {attempt + 1}: grpc {total / elapsed / 1e9:.2f} GB/s "
-                  f"({elapsed:.2f}s), tcp {total / tcp_elapsed / 1e9:.2f} GB/s "
-                  f"({tcp_elapsed:.2f}s)", flush=True)
+                  f"({elapsed:.2f}s, {faults} page faults), tcp {total / tcp_elapsed / 1e9:.2f} "
+                  f"GB/s ({tcp_elapsed:.2f}s, {tcp_faults} page faults)", flush=True)
         client.close()
     finally:
         parent.send("stop")

@@ -190,13 +190,14 @@ def test_broken_transfers_are_rejected_and_old_weights_kept(server_cls, reason):
         srv.stop(0)
 
 
+@pytest.mark.parametrize("hash_thread", [False, True], ids=["inline", "helper-thread"])
 @pytest.mark.parametrize("algo", wire.CHECKSUMS)
-def test_every_checksum_algorithm_round_trips_and_catches_a_flipped_byte(algo):
+def test_every_checksum_algorithm_round_trips_and_catches_a_flipped_byte(algo, hash_thread):
     for server_cls in (WeightSyncServer, CorruptingServer):
         srv = server_cls(chunk_bytes=CHUNK, checksum_algo=algo).start()
         try:
             srv.publish(state_dict(), 1)
-            with client_for(srv) as client:
+            with client_for(srv, hash_thread=hash_thread) as client:
                 if server_cls is WeightSyncServer:
                     assert_same(state_dict(), client.fetch()[1])
                     continue

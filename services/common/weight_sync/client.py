@@ -1,14 +1,11 @@
 """Rollout side of weight sync: fetch a version into staging, verify it, then hand it over.
 
 `fetch` allocates one staging buffer (tensors are views of it) and copies each chunk's bytes
-straight into it (one copy per byte; bf16 lands as bf16), updating the checksum on the same
-bytes while they are still in cache. Nothing is returned until the stream was complete, in
-order, consistent with the manifest and matched its checksum, so a corrupt, truncated or
-superseded transfer raises `WeightSyncError` and the caller's weights stay as they were.
-
-The checksum runs inline on the receiving thread. A helper thread (tried before) only pays
-where a core is idle; on the 2-core hosts measured, where the learner, gRPC's own threads and
-this loop already share the cores, it made fetches slower (GIL hand-offs, chunks held longer).
+straight into it (one copy per byte; bf16 lands as bf16), then feeds the same bytes to the
+checksum (on this thread, or a helper thread where cores are to spare: see checksum.py).
+Nothing is returned until the stream was complete, in order, consistent with the manifest and
+matched its checksum, so a corrupt, truncated or superseded transfer raises `WeightSyncError`
+and the caller's weights stay as they were.
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ import torch
 from prometheus_client import Counter, Histogram
 
 from services.common.proto_gen.forage import weight_sync_pb2 as pb
-from services.common.weight_sync import malloc_tuning, wire
+from services.common.weight_sync import checksum, malloc_tuning, wire
 from services.common.weight_sync.wire import WeightSyncError
 
 log = logging.getLogger("forage.weight_sync")
@@ -62,6 +59,7 @@ class WeightSyncClient:
     Unless `tune_malloc=False`, constructing one pins glibc's malloc thresholds for the whole
     process (`malloc_tuning.keep_receive_buffers`): without it every received message lands on
     freshly faulted pages, which measured as the largest single cost of a fetch.
+    `hash_thread` (None = when the process has 4+ cores) checksums on a helper thread.
     """
 
     def __init__(
@@ -73,10 +71,12 @@ class WeightSyncClient:
         max_message_bytes: int = 256 << 20,
         grpc_options: list[tuple[str, object]] | None = None,
         tune_malloc: bool = True,
+        hash_thread: bool | None = None,
     ) -> None:
         if tune_malloc:
             malloc_tuning.keep_receive_buffers()
         self.address = address
+        self.hash_thread = hash_thread
         self.timeout_s = timeout_s
         self.fetch_timeout_s = fetch_timeout_s
         self.max_message_bytes = max_message_bytes
@@ -162,6 +162,7 @@ class WeightSyncClient:
                                  metadata=self._metadata)
         except grpc.RpcError as exc:
             raise _rpc_error(exc) from None
+        hasher: checksum.ChunkChecksum | None = None
         try:
             try:
                 first = wire.decode_chunk(next(stream))
@@ -181,7 +182,7 @@ class WeightSyncClient:
             if expect is not None:
                 _check_expected(layout, expect)
             staging, targets = _staging(layout)
-            hasher = wire.new_hasher(manifest.checksum_algo)
+            hasher = checksum.chunk_checksum(manifest.checksum_algo, self.hash_thread)
             cursor = 0
             index = 0  # first target whose bytes are not all written yet
             final: wire.DecodedChunk | None = None
@@ -213,7 +214,7 @@ class WeightSyncClient:
                     cursor += take
                     if inner + take == spec.nbytes:
                         index += 1
-                hasher.update(data)  # after the copy: the bytes are still in cache
+                hasher.update(data)  # after the copy, while the bytes are in cache
             if final is None:
                 raise WeightSyncError(
                     "truncated", f"stream ended at byte {cursor} of {manifest.total_bytes} "
@@ -230,6 +231,8 @@ class WeightSyncClient:
         except grpc.RpcError as exc:
             raise _rpc_error(exc) from None
         finally:
+            if hasher is not None:
+                hasher.close()
             stream.cancel()
         elapsed = time.perf_counter() - started
         FETCH_SECONDS.observe(elapsed)

@@ -30,7 +30,7 @@ AUTH_METADATA_KEY = "authorization"
 TRANSPORT_OPTIONS: list[tuple[str, object]] = []
 # CRC-32 (zlib, ~4 GB/s per core here, vs ~1.7 GB/s for SHA-NI sha256): it catches corrupted,
 # misplaced or missing bytes, not deliberate tampering (that is what the bearer token is for).
-# A fetch hashes on the receiving thread, so the checksum's speed is part of the transfer rate.
+# On small hosts a fetch hashes on its receiving thread, so this speed is part of the rate.
 DEFAULT_CHECKSUM = "crc32"
 
 DTYPES: dict[str, torch.dtype] = {
