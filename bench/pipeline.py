@@ -33,7 +33,8 @@ def steps_per_minute(metrics: Path) -> tuple[float, int]:
     return 60.0 * (len(train) - 1) / max(span, 1e-9), len(train)
 
 
-def run(out: Path, staleness: int, steps: int, quick: bool, seed: int) -> float:
+def run(out: Path, staleness: int, steps: int, quick: bool, seed: int,
+        extra: list[str]) -> float:
     from services.common.config import load_config
     from services.launch.demo import DEMO_CONFIG, QUICK_CONFIG, prepare, rl_overrides
     from services.launch.up import run_up
@@ -48,7 +49,7 @@ def run(out: Path, staleness: int, steps: int, quick: bool, seed: int) -> float:
                  f"learner.max_staleness={staleness}", f"learner.total_steps={steps}",
                  "learner.eval_before=false", "learner.eval_at_end=false",
                  f"learner.save_every={steps}",
-                 f"redis.namespace=bench-pipeline-{staleness}-{time.time_ns()}"]
+                 f"redis.namespace=bench-pipeline-{staleness}-{time.time_ns()}", *extra]
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     code = run_up(load_config(config_file, overrides))
     if code != 0:
@@ -64,10 +65,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--quick", action="store_true", help="the quick demo config")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override a config key in both runs")
     args = parser.parse_args()
     out = Path(args.out).resolve()
-    sync = run(out, 0, args.steps, args.quick, args.seed)
-    overlapped = run(out, 1, args.steps, args.quick, args.seed)
+    sync = run(out, 0, args.steps, args.quick, args.seed, args.overrides)
+    overlapped = run(out, 1, args.steps, args.quick, args.seed, args.overrides)
     print(f"sync {sync:.2f} steps/min, async {overlapped:.2f} steps/min")
     print(f"ratio: {overlapped / sync:.2f}")
 

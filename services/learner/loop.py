@@ -481,7 +481,8 @@ class LearnerLoop:
 
         trainer = self.trainer
         samples = broadcast_samples(samples)
-        trainer.compute_log_probs(samples, "policy")
+        if self._needs_old_logprobs(len(samples)):
+            trainer.compute_log_probs(samples, "policy")
         if trainer.ref is not None:
             trainer.compute_log_probs(samples, "ref")
         if trainer.critic is not None:
@@ -497,6 +498,18 @@ class LearnerLoop:
         broadcast_fields(samples, ("advantages", "returns"))
         metrics = trainer.rl_step(samples)
         return metrics, adv_metrics
+
+    def _needs_old_logprobs(self, batch: int) -> bool:
+        """Whether the step needs a separate forward pass for the pre-update log-probs.
+
+        With one PPO epoch over one mini-batch the policy has not moved when the loss is
+        computed, so the old log-probs equal the current ones (detached), which the loss uses
+        when `old_logprobs` is absent: the pass would cost a third of the step for nothing.
+        """
+        learner = self.learner
+        single_update = learner.ppo_epochs == 1 and (
+            learner.mini_batch_size == 0 or learner.mini_batch_size >= batch)
+        return not single_update or self.options.use_kl_in_reward
 
     # ================================================================== weights, checkpoints
 
