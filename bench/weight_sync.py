@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--chunk-mb", type=float, default=4.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--checksum", default=None,
-                        help="sha256 | sha1 | blake2b | crc32 (default: the server's, crc32)")
+                        help="xxh3_64 | sha256 | sha1 | blake2b | crc32 (default: the server's, xxh3_64)")
     parser.add_argument("--hash-thread", choices=("auto", "on", "off"), default="auto",
                         help="checksum on a helper thread (auto: with 4+ cores)")
     args = parser.parse_args()

@@ -71,7 +71,8 @@ def _settings_stamp(cfg: RunConfig) -> dict[str, Any]:
             "model": {k: v for k, v in cfg.model.model_dump(mode="json").items()
                       if k.startswith("init_") or k == "max_length"},
             "sft": {k: getattr(cfg.learner, k) for k in ("sft_lr", "sft_epochs", "sft_batch_size",
-                                                         "sft_max_rows", "seed")}}
+                                                         "sft_max_rows", "sft_warmup_steps",
+                                                         "micro_batch_tokens", "seed")}}
 
 
 class SftProgress:

@@ -25,10 +25,14 @@ def format_line(record: dict[str, Any], total_steps: int | None = None) -> str:
             f"{record.get('elapsed_s', 0):.0f}s")
 
 
+def _print(line: str) -> None:
+    print(line, flush=True)  # flushed: the console may be a pipe or a file (docker logs)
+
+
 class MetricsFollower:
     """Calls `emit` with each complete new line of a metrics JSONL file."""
 
-    def __init__(self, path: str | Path, emit: Callable[[str], None] = print,
+    def __init__(self, path: str | Path, emit: Callable[[str], None] = _print,
                  total_steps: int | None = None) -> None:
         self.path = Path(path)
         self.emit = emit

@@ -27,6 +27,7 @@ from pathlib import Path
 log = logging.getLogger("forage.launch")
 
 PR_SET_PDEATHSIG = 1
+USAGE_ERROR = 2  # the exit code of every `forage` command for a bad config or argument
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -161,6 +162,9 @@ class Supervisor:
             if code == 0 or not child.spec.restart:
                 finished[name] = code
                 continue
+            if code == USAGE_ERROR:  # a bad config or argument: restarting cannot help
+                raise ServiceFailed(self._exit_message(name) + " (a configuration or usage "
+                                    "error: not restarted)")
             if child.restarts >= child.spec.max_restarts:
                 raise ServiceFailed(self._exit_message(name) + " (out of restarts)")
             log.warning("%s exited with %d; restarting (%d/%d)", name, code, child.restarts + 1,

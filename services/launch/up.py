@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from services.common.config import RunConfig
-from services.launch.supervisor import ServiceSpec, Supervisor, forage_argv
+from services.launch.supervisor import ServiceFailed, ServiceSpec, Supervisor, forage_argv
 
 log = logging.getLogger("forage.launch")
 
@@ -148,6 +148,9 @@ def run_up(
     except (KeyboardInterrupt, _Stop):
         log.info("stopping every service")
         code = 130
+    except ServiceFailed as exc:
+        log.error("%s", exc)
+        code = 1
     finally:
         signal.signal(signal.SIGTERM, previous)
         supervisor.stop_all(first=["learner"])

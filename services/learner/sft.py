@@ -117,6 +117,8 @@ def run_sft(cfg: RunConfig, data: str, out_dir: str, resume: bool = False) -> in
     if not cfg.model.path:
         raise SystemExit("error: model.path is not set (the policy to warm start)")
     learner = cfg.learner
+    if learner.sft_warmup_steps is not None:
+        learner = learner.model_copy(update={"warmup_steps": learner.sft_warmup_steps})
     out = Path(out_dir)
     ckpt_dir = out / "checkpoints"
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import socket
 import threading
-import zlib
 
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -80,12 +80,12 @@ def test_round_trip_mixed_dtypes_and_multi_message_tensors(server):
         assert list(info.tensors[0].shape) == [64, 48]
         assert info.total_bytes == sum(v.numel() * v.element_size() for v in expected.values())
         assert info.checksum == manifest.checksum
-        # the default checksum is zlib's CRC-32 of the raw bytes, in manifest order
-        assert info.checksum_algo == wire.DEFAULT_CHECKSUM == "crc32"
-        crc = 0
+        # the default checksum is XXH3-64 of the raw bytes, in manifest order
+        assert info.checksum_algo == wire.DEFAULT_CHECKSUM == "xxh3_64"
+        digest = xxhash.xxh3_64()
         for tensor in expected.values():
-            crc = zlib.crc32(wire.as_bytes(tensor.contiguous()), crc)
-        assert info.checksum == f"{crc:08x}"
+            digest.update(wire.as_bytes(tensor.contiguous()))
+        assert info.checksum == digest.hexdigest()
         assert info.total_bytes > 20 * CHUNK
         got_version, got = client.fetch()
         assert got_version == 3

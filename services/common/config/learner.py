@@ -54,6 +54,7 @@ class LearnerSection(Section):
     sft_epochs: int = Field(default=1, ge=1)
     sft_batch_size: int = Field(default=16, ge=1)  # sequences per optimizer step
     sft_lr: float | None = None  # None: lr
+    sft_warmup_steps: int | None = Field(default=None, ge=0)  # None: warmup_steps
     sft_max_rows: int | None = Field(default=None, ge=1)  # use only the first N rows (None: all)
     sft_save_every: int = Field(default=0, ge=0)  # optimizer steps between checkpoints; 0: end only
     keep_checkpoints: int = Field(default=2, ge=1)  # older complete checkpoints are deleted

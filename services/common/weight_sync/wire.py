@@ -31,7 +31,7 @@ TRANSPORT_OPTIONS: list[tuple[str, object]] = []
 # CRC-32 (zlib, ~4 GB/s per core here, vs ~1.7 GB/s for SHA-NI sha256): it catches corrupted,
 # misplaced or missing bytes, not deliberate tampering (that is what the bearer token is for).
 # On small hosts a fetch hashes on its receiving thread, so this speed is part of the rate.
-DEFAULT_CHECKSUM = "crc32"
+DEFAULT_CHECKSUM = "xxh3_64"
 
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -73,14 +73,23 @@ class _Crc32:
         return f"{self._value:08x}"
 
 
-CHECKSUMS = ("sha256", "sha1", "blake2b", "crc32")
+CHECKSUMS = ("xxh3_64", "sha256", "sha1", "blake2b", "crc32")
 
 
 def new_hasher(algo: str):
     """A streaming hasher by name (a manifest names its algorithm)."""
     if algo not in CHECKSUMS:
         raise WeightSyncError("manifest", f"unknown checksum algorithm {algo!r}")
-    return _Crc32() if algo == "crc32" else hashlib.new(algo)
+    if algo == "crc32":
+        return _Crc32()
+    if algo == "xxh3_64":
+        # 64-bit, non-cryptographic, ~48 GB/s per core (vs ~4 for crc32, ~1.7 for sha256
+        # here): the checksum stops being a visible share of a fetch. Detects corruption, not
+        # forgery; the bearer token keeps unknown callers out.
+        import xxhash
+
+        return xxhash.xxh3_64()
+    return hashlib.new(algo)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

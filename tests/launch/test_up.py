@@ -1,0 +1,31 @@
+"""`forage up` refuses a run it cannot start, with the failing service and its log named."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_up_stops_on_a_learner_config_error(tmp_path, redis_url, namespace):
+    config = tmp_path / "run.yaml"
+    # no model.path and no training data: the learner exits 2 at start-up
+    config.write_text(yaml.safe_dump({"run_dir": str(tmp_path / "run"),
+                                      "redis": {"url": redis_url, "namespace": namespace}}))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-m", "services.cli", "up", "--config", str(config)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 1, out.stdout + out.stderr
+    text = out.stdout + out.stderr
+    assert "learner exited with code 2" in text
+    assert "model.path is not set" in text  # the learner's own message, from its log
+    assert (tmp_path / "run" / "logs" / "learner.log").exists()
+    # the resolved config every child read was written, with the Redis URL filled in
+    resolved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert resolved["redis"]["url"] == redis_url
