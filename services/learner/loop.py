@@ -206,8 +206,13 @@ class LearnerLoop:
                 timeout_s=learner.group_timeout_s, max_attempts=learner.max_attempts,
             )
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.state.step > 0 or self.metrics_path.exists():
+        if self.state.step > 0:
             self._trim_metrics()
+        elif self.metrics_path.exists() and self.metrics_path.stat().st_size > 0:
+            # A fresh run in a used run dir: keep the old lines, but not mixed into this run's.
+            old = self.metrics_path.with_name(f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+            self.metrics_path.rename(old)
+            log.warning("run dir already had metrics from another run: moved them to %s", old)
         self.streams = RedisStreams.from_config(cfg.redis)
         for kind in ("prompts", "scored"):
             self.streams.ensure_group(kind)
