@@ -210,23 +210,30 @@ class GroupLedger:
     def _stale(self, policy_version: int) -> bool:
         return policy_version < self.current_version - self.max_staleness
 
+    def _triage(self, item: Any) -> tuple[str | None, Any, GroupRecord | None, int]:
+        """The outcome that needs no decision (unknown / malformed / duplicates), else None
+        with the trajectory, its group and its sample index."""
+        traj = _trajectory_of(item)
+        record = self.groups.get(str(traj.uid))
+        if record is None:
+            return "unknown", traj, None, -1
+        index = sample_index(traj.sample_id)
+        if index is None or index >= record.n:
+            return "malformed", traj, record, -1
+        if index in record.samples:
+            return "duplicates", traj, record, index
+        return None, traj, record, index
+
     def add(self, item: Any) -> str:
         """Offer one scored trajectory; returns what happened to it (a counter name).
 
         `item` is any object with uid / sample_id / policy_version, or one whose
         ``.trajectory`` has them (a ScoredTrajectory); it is stored as given.
         """
-        traj = _trajectory_of(item)
-        record = self.groups.get(str(traj.uid))
-        if record is None:
-            outcome = "unknown"
-        else:
-            index = sample_index(traj.sample_id)
-            if index is None or index >= record.n:
-                outcome = "malformed"
-            elif index in record.samples:
-                outcome = "duplicates"
-            elif self._stale(int(traj.policy_version)):
+        outcome, traj, record, index = self._triage(item)
+        if outcome is None:
+            assert record is not None
+            if self._stale(int(traj.policy_version)):
                 # The index is missing, so the group is incomplete: it needs a re-issue.
                 outcome = "dropped_stale"
                 record.reissue_reason = record.reissue_reason or "stale"
@@ -241,19 +248,11 @@ class GroupLedger:
 
     def reject(self, item: Any) -> str:
         """Refuse a failed trajectory (not the policy's doing); its group is re-issued."""
-        traj = _trajectory_of(item)
-        record = self.groups.get(str(traj.uid))
-        if record is None:
-            outcome = "unknown"
-        else:
-            index = sample_index(traj.sample_id)
-            if index is None or index >= record.n:
-                outcome = "malformed"
-            elif index in record.samples:
-                outcome = "duplicates"
-            else:
-                outcome = "errors"
-                record.reissue_reason = record.reissue_reason or "error"
+        outcome, _traj, record, _index = self._triage(item)
+        if outcome is None:
+            assert record is not None
+            outcome = "errors"
+            record.reissue_reason = record.reissue_reason or "error"
         self.counters[outcome] += 1
         return outcome
 
