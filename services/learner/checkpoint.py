@@ -179,6 +179,23 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+def trim_metrics(path: str | os.PathLike[str], last_step: int) -> None:
+    """Drop metric lines written after the resumed checkpoint (the resumed run writes them
+    again), and a torn last line left by a process killed mid-write."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if int(record.get("step", 0)) <= last_step:
+            kept.append(line)
+    path.write_text("".join(line + "\n" for line in kept))
+
+
 def load_checkpoint(trainer: Any, path: str | os.PathLike[str]) -> TrainerState:
     """Restore weights, optimizer, scheduler and this rank's RNG; returns the trainer state."""
     path = Path(path)

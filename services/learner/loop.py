@@ -51,6 +51,7 @@ from services.learner.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
+    trim_metrics,
 )
 from services.learner.loop_state import GroupLedger
 from services.learner.packing import Sample
@@ -207,7 +208,7 @@ class LearnerLoop:
             )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.state.step > 0:
-            self._trim_metrics()
+            trim_metrics(self.metrics_path, self.state.step)
         elif self.metrics_path.exists() and self.metrics_path.stat().st_size > 0:
             # A fresh run in a used run dir: keep the old lines, but not mixed into this run's.
             old = self.metrics_path.with_name(f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
@@ -240,20 +241,6 @@ class LearnerLoop:
             return int(raw) if raw is not None else 0
         except (TypeError, ValueError):
             return 0
-
-    def _trim_metrics(self) -> None:
-        """Drop metric lines a killed run wrote after its last checkpoint (they are redone)."""
-        if not self.metrics_path.exists():
-            return
-        kept = []
-        for line in self.metrics_path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if int(record.get("step", 0)) <= self.state.step:
-                kept.append(line)
-        self.metrics_path.write_text("".join(k + "\n" for k in kept))
 
     # ================================================================== main
 

@@ -91,15 +91,6 @@ def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     return np.random.default_rng([seed, epoch]).permutation(n).tolist()
 
 
-def _trim_metrics(path: Path, last_step: int) -> None:
-    """Drop metric lines past the resumed checkpoint (written before the process died)."""
-    if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= last_step]
-    path.write_text("".join(line + "\n" for line in kept))
-
-
 def run_sft(cfg: RunConfig, data: str, out_dir: str, resume: bool = False) -> int:
     """Train, checkpoint every `learner.sft_save_every` steps and at the end, export the final
     policy (HF format) to `out_dir/policy`. With `resume`, continue from the last checkpoint."""
@@ -111,6 +102,7 @@ def run_sft(cfg: RunConfig, data: str, out_dir: str, resume: bool = False) -> in
         latest_checkpoint,
         load_checkpoint,
         save_checkpoint,
+        trim_metrics,
     )
     from services.learner.trainer import PolicyTrainer
 
@@ -141,7 +133,7 @@ def run_sft(cfg: RunConfig, data: str, out_dir: str, resume: bool = False) -> in
             state = load_checkpoint(trainer, path)
             log.info("resumed from %s at step %d", path, state.step)
             if D.rank() == 0:
-                _trim_metrics(metrics_path, state.step)
+                trim_metrics(metrics_path, state.step)
         else:
             log.info("no checkpoint under %s; starting fresh", ckpt_dir)
     if D.rank() == 0:
