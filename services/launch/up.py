@@ -127,12 +127,14 @@ def run_up(
     code = 1
     try:
         specs = service_specs(resolved, config_path, ports)
+        first = {"retriever", "learner"}  # the others need them up before they start
         for spec in specs:
             supervisor.start(spec)
-            if spec.name in ("retriever", "learner"):  # the others need them up first
+            if spec.name in first:
                 supervisor.wait_healthy(spec.name, timeout_s=300)
         for spec in specs:
-            supervisor.wait_healthy(spec.name, timeout_s=300)
+            if spec.name not in first:
+                supervisor.wait_healthy(spec.name, timeout_s=300)
         log.info("all services up: %s", ", ".join(s.name for s in specs))
         if on_start is not None:
             on_start(supervisor)

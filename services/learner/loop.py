@@ -31,7 +31,6 @@ import json
 import logging
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -215,9 +214,8 @@ class LearnerLoop:
             self.metrics_path.rename(old)
             log.warning("run dir already had metrics from another run: moved them to %s", old)
         self.streams = RedisStreams.from_config(cfg.redis)
-        for kind in ("prompts", "scored"):
+        for kind in ("prompts", "rollouts", "scored"):
             self.streams.ensure_group(kind)
-        self.streams.ensure_group("rollouts")
         # Never re-use a version number: a learner killed after publishing version v but before
         # checkpointing it would otherwise publish different weights under the same number, and
         # replicas that already hold v would never fetch them.
@@ -602,7 +600,6 @@ class LearnerLoop:
         return record
 
 
-def train(cfg: RunConfig, resume: bool = False,
-          loop_factory: Callable[..., LearnerLoop] = LearnerLoop) -> int:
+def train(cfg: RunConfig, resume: bool = False) -> int:
     """`forage learner train`: run the loop (one process per rank under a launcher)."""
-    return loop_factory(cfg, resume=resume).run()
+    return LearnerLoop(cfg, resume=resume).run()

@@ -183,7 +183,6 @@ def test_loop_accounting_and_resume(tmp_path, redis_url, namespace, tiny_policy)
     config.write_text(yaml.safe_dump(cfg))
     proc = start_learner(config, log, "--resume")
     try:
-        port = cfg["learner"]["weight_sync_port"]
         script.serve(proc, lambda g, n: "normal", until=time.time() + 180)
         assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
     finally:
@@ -194,7 +193,6 @@ def test_loop_accounting_and_resume(tmp_path, redis_url, namespace, tiny_policy)
     assert lines[4]["policy_version"] == 7  # 5 was published before the restart
     assert lines[-1]["groups/balanced"] == 1
     assert "resumed from" in log.read_text()
-    del port
 
 
 def test_bad_estimator_fails_fast(tmp_path, redis_url, namespace, tiny_policy):
