@@ -104,8 +104,9 @@ def parse_request(body: bytes, settings: RetrieverSection) -> tuple[list[str], i
         where = f"queries[{position}]"
         if not isinstance(query, str):
             raise BadRequest(422, f"{where}: must be a string")
-        if not query.strip():
-            raise BadRequest(422, f"{where}: empty query")
+        # An empty or blank query is answered, not refused: Search-R1's agent sends "" for
+        # `<search> </search>` and its server retrieves for it (dense: the passages nearest
+        # the empty query's vector; BM25: no hits). Refusing would fail the whole request.
         if len(query) > settings.max_query_chars:
             raise BadRequest(
                 422, f"{where}: longer than {settings.max_query_chars} characters ({len(query)})"
@@ -123,6 +124,11 @@ def parse_request(body: bytes, settings: RetrieverSection) -> tuple[list[str], i
         raise BadRequest(422, f"topk: must be positive (got {topk})")
     elif topk > settings.max_topk:
         raise BadRequest(422, f"topk: at most {settings.max_topk} (got {topk})")
+    if len(queries) * topk > settings.max_results_per_request:
+        raise BadRequest(
+            413, f"queries: {len(queries)} queries × topk {topk} = {len(queries) * topk} "
+            f"results, at most {settings.max_results_per_request} per request"
+        )
     return_scores = data.get("return_scores", False)
     if return_scores is None:
         return_scores = False

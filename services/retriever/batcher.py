@@ -6,6 +6,12 @@ queue here; a single worker takes whatever is waiting (up to `max_batch` queries
 most `max_wait_s` for more when the queue runs dry) and runs the batch on one thread. While it
 runs, new requests accumulate, so under load batches grow by themselves and the wait is never
 paid twice.
+
+A request larger than `max_batch` (Search-R1's trainer sends 512 or 2560 queries in one POST) is
+answered in chunks of `max_batch` queries, queued one after the other: the next chunk joins the
+queue only when the previous one is done, so requests that arrived meanwhile run between two
+chunks instead of waiting for the whole large request, and the encoder never holds more than
+one batch.
 """
 
 from __future__ import annotations
@@ -55,12 +61,17 @@ class MicroBatcher:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def submit(self, queries: list[str], topk: int) -> list[Any]:
-        """Results for `queries` (one entry each), computed in some shared batch."""
+        """Results for `queries` (one entry each), computed in shared batches of at most
+        `max_batch` queries; a larger request is split into consecutive chunks."""
         if self._queue is None:
             raise RuntimeError("batcher not started")
-        future = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Item(list(queries), topk, future))
-        return await future
+        results: list[Any] = []
+        for start in range(0, len(queries), self._max_batch):
+            chunk = list(queries[start : start + self._max_batch])
+            future = asyncio.get_running_loop().create_future()
+            await self._queue.put(_Item(chunk, topk, future))
+            results.extend(await future)
+        return results
 
     async def _next_item(self, timeout: float | None) -> _Item | None:
         if self._held is not None:
@@ -90,7 +101,7 @@ class MicroBatcher:
                 if item is None:
                     break
                 if size + len(item.queries) > self._max_batch:
-                    self._held = item  # starts the next batch; never split a request
+                    self._held = item  # starts the next batch; never split an item
                     break
                 batch.append(item)
                 size += len(item.queries)

@@ -23,7 +23,13 @@ class RetrieverSection(Section):
     # arrive while a batch is running already share the next one, and a fixed wait only added
     # its full length to single-query latency on CPU (bench/retriever.md). Raise it on a GPU.
     max_wait_ms: float = Field(default=0.0, ge=0)
-    max_queries_per_request: int = Field(default=512, ge=1)
+    # Search-R1's trainer sends one POST per turn with every active sample's query: 512 (PPO)
+    # or 2560 (GRPO, 5 samples). Larger requests are answered in chunks of `max_batch`
+    # queries, so memory stays bounded and other clients' requests interleave between chunks.
+    max_queries_per_request: int = Field(default=4096, ge=1)
     max_topk: int = Field(default=100, ge=1)
+    # queries × topk of one request: bounds the response (4096 queries at topk 16).
+    max_results_per_request: int = Field(default=65536, ge=1)
     max_query_chars: int = Field(default=2048, ge=1)
-    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
+    # 4096 queries of up to 2048 characters fit (about 8.4 MB of ASCII JSON).
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1)
