@@ -223,10 +223,10 @@ class LearnerLoop:
         self.version = max(self.state.policy_version, previous, 0) + 1
         self.ledger.advance(max(self.ledger.current_version, self.version))
         self.server = WeightSyncServer(
-            learner.weight_sync_host, learner.weight_sync_port, token=learner.weight_sync_token,
+            learner.host, learner.weight_sync_port, token=learner.weight_sync_token,
             chunk_bytes=learner.weight_sync_chunk_bytes,
         ).start()
-        self.metrics_server = start_metrics_server(learner.metrics_port, host="0.0.0.0",
+        self.metrics_server = start_metrics_server(learner.metrics_port, host=learner.host,
                                                    healthy=lambda: not self.stopping)
         log.info("weights on %s, metrics on port %d, checkpoints in %s", self.server.address,
                  self.metrics_server.port, self.ckpt_dir)

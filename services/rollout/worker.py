@@ -82,8 +82,9 @@ class RolloutWorker:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         server = start_metrics_server(self.config.rollout.metrics_port,
+                                      host=self.config.rollout.host,
                                       healthy=lambda: not self.stopping)
-        log.info("replica %s: metrics on port %d", self.name, server.port)
+        log.info("replica %s: metrics on %s:%d", self.name, server.host, server.port)
         self._streams = RedisStreams.from_config(self.config.redis)
         self._redis = redis.Redis.from_url(self._redis_url())
         self._streams.ensure_group("prompts")

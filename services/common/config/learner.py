@@ -19,6 +19,9 @@ class LearnerSection(Section):
     # None: RUN_DIR/checkpoints.
     checkpoint_dir: str | None = None
     save_every: int = Field(default=10, ge=1)
+    # Bind address of the learner's listeners (weight-sync gRPC and /metrics + /healthz);
+    # 0.0.0.0 in containers and pods. `weight_sync_host` is where replicas reach the learner.
+    host: str = "127.0.0.1"
     weight_sync_host: str = "127.0.0.1"
     weight_sync_port: int = Field(default=50051, ge=0, le=65535)
     weight_sync_token: str | None = None

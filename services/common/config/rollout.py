@@ -25,6 +25,9 @@ class RolloutSection(Section):
     use_search: bool = True
     weight_poll_s: float = Field(default=1.0, gt=0)
     heartbeat_s: float = Field(default=5.0, gt=0)
+    # Bind address of the replica's /metrics and /healthz server (0 port: any free port).
+    # 127.0.0.1 serves this machine only; containers and pods need 0.0.0.0 (deploy configs).
+    host: str = "127.0.0.1"
     metrics_port: int = Field(default=0, ge=0, le=65535)
     seed: int = 0
     # Stop strings of a policy turn (Search-R1's); math tasks without tags can set [].
