@@ -12,6 +12,8 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 
+from services.common.config import ConfigError
+
 # group name -> (module that registers it, one-line help)
 COMMAND_GROUPS: dict[str, tuple[str, str]] = {
     "demo": ("services.launch.cli_demo", "the embedded default, end to end (make demo)"),
@@ -67,7 +69,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if handler is None:
         parser.print_help()
         return 2
-    result = handler(namespace)
+    try:
+        result = handler(namespace)
+    except ConfigError as exc:  # bad config or input path found at start: one line, exit 2
+        print(f"forage {group}: error: {exc}", file=sys.stderr)
+        return 2
     return int(result or 0)
 
 

@@ -6,6 +6,7 @@ Heavy imports (torch, deepspeed, transformers) happen inside the handlers, so `-
 from __future__ import annotations
 
 import argparse
+import sys
 
 from services.common.cli_args import add_config_args, config_from_args
 
@@ -41,7 +42,7 @@ def _train(args: argparse.Namespace) -> int:
     try:
         return train(cfg, resume=args.resume)
     except ValueError as exc:  # config problems found at start-up (estimator, paths, data)
-        print(f"forage learner train: {exc}")
+        print(f"forage learner train: error: {exc}", file=sys.stderr)
         return 2
 
 

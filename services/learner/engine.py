@@ -10,16 +10,37 @@ micro-batches per optimizer step vary with the lengths in the batch, while DeepS
 `gradient_accumulation_steps` is fixed at start-up. We mark the last micro-batch as the boundary
 (`set_gradient_accumulation_boundary`) and scale the loss ourselves (exact global token counts),
 so DeepSpeed never divides by its own accumulation count (`scale_wrt_gas=False`).
+
+Why fp32 gradient accumulation under bf16: the micro-batch count per step varies and can be
+large, and summing many bf16 gradients loses the small ones (bf16 keeps 8 bits of mantissa), so
+the DeepSpeed config asks for `data_types.grad_accum_dtype: fp32` (DeepSpeed's default for the
+BF16 optimizer, made explicit). DeepSpeed 0.19 implements that mix only with ZeRO (stage 1 runs
+its BF16_Optimizer: fp32 master weights and fp32 gradient buffers); without ZeRO it either
+accumulates in bf16 or refuses the config. So with bf16, `zero_stage: 0` runs as stage 1
+(`effective_zero_stage`), which on one rank holds the same state as stage 0 would, and on N
+ranks partitions the fp32 optimizer state.
+
+Why gather in groups for the export: under ZeRO-3 each rank holds 1/N of every parameter, and
+gathering the whole model at once needs the full model in accelerator memory on every rank
+besides the partitions. `full_state_dict` gathers at most `export_group_bytes` of parameters at
+a time (one or a few layers), copies them to CPU and releases them.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
 import torch
 
 from services.common.config.learner import LearnerSection
+
+log = logging.getLogger("forage.learner.engine")
+
+# Parameters gathered at once by the ZeRO-3 weight export: a few decoder layers of a 7B model
+# (one Qwen2.5-7B layer is ~0.47 GB in bf16), small next to the activations of a step.
+EXPORT_GROUP_BYTES = 1 << 30
 
 
 def use_bf16(setting: str, device: torch.device) -> bool:
@@ -30,18 +51,53 @@ def use_bf16(setting: str, device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def param_dtype(bf16: bool) -> torch.dtype:
+    """The dtype the model is loaded in: the training dtype, so a bf16 run never holds an fp32
+    copy of the weights on the device first (DeepSpeed keeps the fp32 master copy itself)."""
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+def effective_zero_stage(zero_stage: int, bf16: bool) -> int:
+    """bf16 needs ZeRO ≥ 1 for fp32 gradient accumulation in DeepSpeed 0.19 (module doc)."""
+    return max(int(zero_stage), 1) if bf16 else int(zero_stage)
+
+
 def ds_config(cfg: LearnerSection, bf16: bool) -> dict[str, Any]:
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": float(cfg.grad_clip),
-        "zero_optimization": {"stage": int(cfg.zero_stage)},
+        "zero_optimization": {"stage": effective_zero_stage(cfg.zero_stage, bf16)},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
     if bf16:
         config["bf16"] = {"enabled": True}
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
     return config
+
+
+def plan_gather_groups(sizes: list[int], max_bytes: int) -> list[list[int]]:
+    """Consecutive groups of parameter indices whose byte sizes sum to at most `max_bytes`
+    (a parameter larger than that gets a group of its own)."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    load = 0
+    for index, size in enumerate(sizes):
+        if current and load + size > max_bytes:
+            groups.append(current)
+            current, load = [], 0
+        current.append(index)
+        load += size
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _full_bytes(param: torch.Tensor) -> int:
+    """Bytes of the whole parameter (ZeRO-3 keeps its full size in `ds_numel`)."""
+    numel = int(getattr(param, "ds_numel", param.numel()))
+    return numel * param.element_size()
 
 
 def warmup_lambda(warmup_steps: int, total_steps: int, schedule: str):
@@ -70,10 +126,17 @@ class TrainEngine:
         lr: float,
         total_steps: int,
         device: torch.device,
+        export_group_bytes: int = EXPORT_GROUP_BYTES,
     ) -> None:
         import deepspeed
 
         self.bf16 = use_bf16(cfg.bf16, device)
+        self.zero_stage = effective_zero_stage(cfg.zero_stage, self.bf16)
+        if self.zero_stage != cfg.zero_stage:
+            log.info("bf16 with learner.zero_stage %d: running ZeRO stage %d for fp32 gradient "
+                     "accumulation (DeepSpeed's BF16 optimizer)", cfg.zero_stage, self.zero_stage)
+        self.export_group_bytes = export_group_bytes
+        self.export_groups = 0  # gathers done by the last full_state_dict (ZeRO-3)
         params = [p for p in model.parameters() if p.requires_grad]
         if cfg.optimizer == "cpu_adam":
             from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -96,7 +159,6 @@ class TrainEngine:
             config=ds_config(cfg, self.bf16),
             dist_init_required=False,
         )
-        self.zero_stage = int(cfg.zero_stage)
         self._norm = float("nan")
 
     @property
@@ -142,15 +204,38 @@ class TrainEngine:
     def current_lr(self) -> float:
         return float(self.engine.get_lr()[0])
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Full-precision weights on every rank's CPU (ZeRO-3 shards gathered); rank-local."""
-        if self.zero_stage == 3:
-            import deepspeed
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's weights (its state_dict, in the training dtype) on this rank's CPU.
 
-            params = list(self.module.parameters())
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
-        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+        Under ZeRO-3 every rank must call it (the gathers are collective); parameters are
+        gathered `export_group_bytes` at a time, so the device never holds the whole model.
+        """
+        entries = self.module.state_dict(keep_vars=True)  # name -> Parameter / buffer object
+        if self.zero_stage != 3:
+            self.export_groups = 0
+            return {k: v.detach().cpu().clone() for k, v in entries.items()}
+        import deepspeed
+
+        params: list[torch.nn.Parameter] = []
+        names_of: dict[int, list[str]] = {}
+        out: dict[str, torch.Tensor] = {}
+        for name, value in entries.items():
+            if isinstance(value, torch.nn.Parameter):
+                if id(value) not in names_of:  # tied weights: one gather, several names
+                    names_of[id(value)] = []
+                    params.append(value)
+                names_of[id(value)].append(name)
+            else:
+                out[name] = value.detach().cpu().clone()  # buffers are not partitioned
+        groups = plan_gather_groups([_full_bytes(p) for p in params], self.export_group_bytes)
+        for group in groups:
+            members = [params[i] for i in group]
+            with deepspeed.zero.GatheredParameters(members, modifier_rank=None):
+                for param in members:
+                    for name in names_of[id(param)]:
+                        out[name] = param.detach().cpu().clone()
+        self.export_groups = len(groups)
+        return {name: out[name] for name in entries}  # state_dict order
 
     def save(self, directory: str, tag: str) -> None:
         """DeepSpeed's sharded model + optimizer + scheduler state (every rank writes its part)."""

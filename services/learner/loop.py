@@ -39,6 +39,15 @@ import torch
 
 from services.common.codec import CodecError, decode_as, encode
 from services.common.config import RunConfig
+from services.common.paths import (
+    LOCAL_ONLY,
+    InputPathError,
+    check_parquet_columns,
+    require_file,
+    require_model_dir,
+    require_tokenizer_dir,
+    tokenizer_source,
+)
 from services.common.trajectory import ScoredTrajectory
 from services.learner import distributed as D
 from services.learner import loop_metrics as M
@@ -109,14 +118,29 @@ def jsonable(metrics: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def check_inputs(cfg: RunConfig) -> None:
+    """Fail at start, in one line naming key and path, on any input the run cannot read:
+    the policy and tokenizer directories, and every train / test parquet with the columns a
+    prompt row needs (read from the file footer only; rows are checked when loaded)."""
+    from services.tasks.datasets import RL_COLUMNS
+
+    require_model_dir(cfg.model.path, "model.path")
+    key, tokenizer = tokenizer_source(cfg.model.tokenizer_path, cfg.model.path)
+    require_tokenizer_dir(tokenizer, key)
+    if not cfg.data.train_files:
+        raise InputPathError("data.train_files is empty (parquet files of prompts)")
+    for key in ("train_files", "test_files"):
+        for index, path in enumerate(getattr(cfg.data, key)):
+            name = f"data.{key}[{index}]"
+            check_parquet_columns(require_file(path, name, "a parquet file of prompts"), name,
+                                  RL_COLUMNS)
+
+
 class LearnerLoop:
     def __init__(self, cfg: RunConfig, *, resume: bool = False) -> None:
         learner = cfg.learner
         check_estimator(learner.adv_estimator)
-        if not cfg.model.path:
-            raise ValueError("model.path is not set (the policy to train)")
-        if not cfg.data.train_files:
-            raise ValueError("data.train_files is empty (parquet files of prompts)")
+        check_inputs(cfg)  # every input path, before the model is loaded
         self.cfg = cfg
         self.learner = learner
         self.resume = resume
@@ -153,13 +177,14 @@ class LearnerLoop:
 
         opt = self.options
         tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.tokenizer_path
-                                                  or self.cfg.model.path)
+                                                  or self.cfg.model.path, **LOCAL_ONLY)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.trainer = PolicyTrainer(
             self.cfg.model.path, self.learner,
             use_ref=opt.use_kl_loss or opt.use_kl_in_reward,
             use_critic=self.learner.adv_estimator == "gae",
             pad_token_id=pad,
+            gradient_checkpointing=self.cfg.model.gradient_checkpointing,
         )
         self.bnpo_state = opt.make_bnpo_state() if self.learner.adv_estimator == "bnpo" else None
         self.kl_controller = opt.make_kl_controller() if opt.use_kl_in_reward else None

@@ -2,9 +2,18 @@
 
 Why packing: a batch of multi-turn trajectories has very uneven lengths, and padding every row to
 the longest one can spend most of the compute on pad tokens. Here sequences are concatenated into
-one row per micro-batch with `position_ids` restarting at 0 for each sequence; transformers turns
-the restarts into a block-diagonal causal mask (flash-attention varlen on GPU), so no sequence
-sees another and no pad token is computed.
+one row per micro-batch with `position_ids` restarting at 0 for each sequence, and no attention
+mask, so no sequence sees another and no pad token is computed. Which kernel keeps them apart
+is chosen by `attention_implementation`:
+  - flash-attn installed, a CUDA device and bf16/fp16 weights: transformers' `flash_attention_2`,
+    called with the sequence boundaries (`MicroBatch.varlen_kwargs`: cu_seq_lens / max_length,
+    the kwargs of transformers' DataCollatorWithFlattening that TRL's padding-free training
+    uses), so attention runs in flash-attn's varlen kernel — no mask is ever built;
+  - otherwise (CPU, fp32, or no flash-attn): SDPA, for which transformers turns the position-id
+    restarts into a 4D block-diagonal causal mask (memory quadratic in the row length, which is
+    why CPU configs keep `learner.micro_batch_tokens` small).
+Both give every sequence exactly the log-probs it gets alone (tests/learner/test_gpu_settings.py
+checks the SDPA path; the flash path has not run on a GPU in this project, docs/learner.md).
 
 Why a plan shared by all ranks: every rank must run the same number of forward/backward passes
 per optimizer step (ZeRO gathers and reduces collectively), so the split of a global batch into
@@ -192,6 +201,28 @@ def split_mini_batches(n_samples: int, mini_batch_size: int) -> list[list[int]]:
 
 # ------------------------------------------------------------------------------------- packing
 
+FLASH_ATTENTION = "flash_attention_2"
+SDPA = "sdpa"
+
+
+def attention_implementation(device_type: str, dtype: torch.dtype, flash_installed: bool) -> str:
+    """The transformers attention kernel for packed rows (see the module doc).
+
+    flash-attn runs only on CUDA and only in half precision, so fp32 training (bf16 off) uses
+    SDPA even where flash-attn is installed.
+    """
+    if device_type == "cuda" and flash_installed and dtype in (torch.bfloat16, torch.float16):
+        return FLASH_ATTENTION
+    return SDPA
+
+
+def flash_attn_installed() -> bool:
+    """flash-attn 2 importable and usable (transformers' own check: package and CUDA)."""
+    from transformers.utils import is_flash_attn_2_available
+
+    return bool(is_flash_attn_2_available())
+
+
 
 @dataclass
 class MicroBatch:
@@ -226,6 +257,19 @@ class MicroBatch:
             self.sample_indices,
             self.num_padding,
         )
+
+    def varlen_kwargs(self) -> dict[str, torch.Tensor | int]:
+        """Sequence boundaries for flash-attn's varlen kernel: cumulative lengths (int32, on the
+        batch's device) and the longest sequence, under the names transformers' flash path
+        reads (`cu_seq_lens_q/k`, `max_length_q/k`). Given these, transformers does not have
+        to infer the boundaries from `position_ids` in every layer."""
+        bounds = [0]
+        for n in self.seq_lens:
+            bounds.append(bounds[-1] + n)
+        cu = torch.tensor(bounds, dtype=torch.int32, device=self.input_ids.device)
+        longest = max(self.seq_lens)
+        return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
+                "max_length_q": longest, "max_length_k": longest}
 
     def response_matrix(self, flat: torch.Tensor, width: int | None = None) -> torch.Tensor:
         """(1, N) per-token values -> (n_seq, T) response-aligned rows (zeros past the end).

@@ -22,6 +22,14 @@ from typing import Any
 import numpy as np
 
 from services.common.config import RunConfig
+from services.common.paths import (
+    LOCAL_ONLY,
+    check_parquet_columns,
+    require_file,
+    require_model_dir,
+    require_tokenizer_dir,
+    tokenizer_source,
+)
 from services.learner.packing import Sample
 
 log = logging.getLogger("forage.learner.sft")
@@ -87,6 +95,17 @@ def load_sft_samples(path: str | os.PathLike[str], tokenizer: Any, max_length: i
     return samples
 
 
+def check_sft_inputs(cfg: RunConfig, data: str) -> None:
+    """One line naming key and path for a policy, tokenizer or SFT parquet that is not there."""
+    require_model_dir(cfg.model.path, "model.path")
+    key, tokenizer = tokenizer_source(cfg.model.tokenizer_path, cfg.model.path)
+    require_tokenizer_dir(tokenizer, key)
+    from services.tasks.datasets import SFT_COLUMNS
+
+    path = require_file(data, "--data", "an SFT parquet file")
+    check_parquet_columns(path, "--data", SFT_COLUMNS)
+
+
 def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     return np.random.default_rng([seed, epoch]).permutation(n).tolist()
 
@@ -106,14 +125,14 @@ def run_sft(cfg: RunConfig, data: str, out_dir: str, resume: bool = False) -> in
     )
     from services.learner.trainer import PolicyTrainer
 
-    if not cfg.model.path:
-        raise SystemExit("error: model.path is not set (the policy to warm start)")
+    check_sft_inputs(cfg, data)  # every input path, before anything is loaded
     learner = cfg.learner
     if learner.sft_warmup_steps is not None:
         learner = learner.model_copy(update={"warmup_steps": learner.sft_warmup_steps})
     out = Path(out_dir)
     ckpt_dir = out / "checkpoints"
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path,
+                                              **LOCAL_ONLY)
     samples = load_sft_samples(data, tokenizer, cfg.model.max_length)
     if learner.sft_max_rows is not None:
         samples = samples[: learner.sft_max_rows]
@@ -123,7 +142,7 @@ def run_sft(cfg: RunConfig, data: str, out_dir: str, resume: bool = False) -> in
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     trainer = PolicyTrainer(
         cfg.model.path, learner, lr=learner.sft_lr or learner.lr, total_steps=total,
-        pad_token_id=pad_id,
+        pad_token_id=pad_id, gradient_checkpointing=cfg.model.gradient_checkpointing,
     )
     state = TrainerState()
     metrics_path = out / "sft_metrics.jsonl"

@@ -20,12 +20,17 @@ import numpy as np
 import torch
 
 from services.common.config.learner import LearnerSection
+from services.common.paths import LOCAL_ONLY
 from services.learner import distributed as D
-from services.learner.engine import TrainEngine
-from services.learner.logprobs import forward_logits, token_entropy, token_logprobs, token_values
+from services.learner.engine import TrainEngine, param_dtype, use_bf16
+from services.learner.logprobs import token_entropy, token_logprobs, token_values
 from services.learner.packing import (
+    FLASH_ATTENTION,
+    SDPA,
     MicroBatch,
     Sample,
+    attention_implementation,
+    flash_attn_installed,
     pack,
     plan_micro_batches,
     split_mini_batches,
@@ -33,11 +38,29 @@ from services.learner.packing import (
 
 log = logging.getLogger("forage.learner.trainer")
 
-def load_causal_lm(path: str, device: torch.device, dtype: torch.dtype = torch.float32):
+
+def load_causal_lm(path: str, device: torch.device, dtype: torch.dtype = torch.float32,
+                   attn_implementation: str = SDPA, gradient_checkpointing: bool = False):
+    """A causal LM read from a local directory (never the hub), directly in `dtype`."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=attn_implementation, **LOCAL_ONLY
+    )
+    if gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     return model.to(device)
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in the backward pass instead of storing them.
+
+    Non-reentrant checkpointing (as TRL and verl configure it): it works with inputs that need
+    no gradient and with ZeRO-3's parameter hooks. The KV cache is off in every training
+    forward (`use_cache=False` is passed on each call), so checkpointing never meets a cache;
+    the model's config is left as it is, so an exported checkpoint still generates with one.
+    """
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 class PolicyTrainer:
@@ -53,6 +76,7 @@ class PolicyTrainer:
         use_ref: bool = False,
         use_critic: bool = False,
         pad_token_id: int = 0,
+        gradient_checkpointing: bool = False,
     ) -> None:
         D.ensure_distributed()
         self.cfg = cfg
@@ -67,22 +91,33 @@ class PolicyTrainer:
         self.options = AlgorithmSettings.model_validate(dict(cfg.algorithm))
         steps = cfg.total_steps if total_steps is None else total_steps
         torch.manual_seed(cfg.seed)
-        policy = load_causal_lm(model_path, self.device)
+        self.dtype = param_dtype(use_bf16(cfg.bf16, self.device))
+        self.attn_implementation = attention_implementation(
+            self.device.type, self.dtype, self.device.type == "cuda" and flash_attn_installed()
+        )
+        log.info("policy in %s, attention %s, gradient checkpointing %s",
+                 str(self.dtype).removeprefix("torch."), self.attn_implementation,
+                 "on" if gradient_checkpointing else "off")
+        policy = load_causal_lm(model_path, self.device, self.dtype, self.attn_implementation,
+                                gradient_checkpointing)
         self.policy = TrainEngine(
             policy, cfg, lr=lr if lr is not None else cfg.lr, total_steps=steps, device=self.device
         )
         self.ref: torch.nn.Module | None = None
         if use_ref:
-            dtype = torch.bfloat16 if self.policy.bf16 else torch.float32
-            self.ref = load_causal_lm(model_path, self.device, dtype).eval()
+            self.ref = load_causal_lm(model_path, self.device, self.dtype,
+                                      self.attn_implementation).eval()
             self.ref.requires_grad_(False)
         self.critic: TrainEngine | None = None
         if use_critic:
             from transformers import AutoModelForTokenClassification
 
             critic = AutoModelForTokenClassification.from_pretrained(
-                model_path, num_labels=1, dtype=torch.float32, attn_implementation="sdpa"
+                model_path, num_labels=1, dtype=self.dtype,
+                attn_implementation=self.attn_implementation, **LOCAL_ONLY
             )
+            if gradient_checkpointing:
+                enable_gradient_checkpointing(critic)
             self.critic = TrainEngine(
                 critic,
                 cfg,
@@ -139,7 +174,7 @@ class PolicyTrainer:
 
         def compute(mb: MicroBatch) -> torch.Tensor:
             with self._autocast():
-                logits = forward_logits(model, mb)
+                logits = self._forward(model, mb).logits
             return token_logprobs(logits, mb.input_ids, self.temperature)
 
         self._gather_field(samples, target, compute)
@@ -151,10 +186,16 @@ class PolicyTrainer:
         self.critic.eval()
 
         def compute(mb: MicroBatch) -> torch.Tensor:
-            return token_values(self.critic(input_ids=mb.input_ids, position_ids=mb.position_ids,
-                                            use_cache=False).logits)
+            return token_values(self._forward(self.critic, mb).logits)
 
         self._gather_field(samples, "values", compute)
+
+    def _forward(self, model: Any, mb: MicroBatch) -> Any:
+        """One forward over a packed row: no attention mask, position ids restarting per
+        sequence, no KV cache; on the flash path also the sequence boundaries (packing.py)."""
+        extra = mb.varlen_kwargs() if self.attn_implementation == FLASH_ATTENTION else {}
+        return model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
+                     **extra)
 
     def _autocast(self):
         if self.policy.bf16 and self.device.type == "cuda":
@@ -214,7 +255,7 @@ class PolicyTrainer:
 
     def _policy_out(self, mb: MicroBatch) -> torch.Tensor:
         with self._autocast():
-            return forward_logits(self.policy, mb)
+            return self._forward(self.policy, mb).logits
 
     # ------------------------------------------------------------------------------ SFT
 
@@ -342,8 +383,7 @@ class PolicyTrainer:
                     critic = self.critic
 
                     def critic_out(mb: MicroBatch, critic: TrainEngine = critic) -> torch.Tensor:
-                        return critic(input_ids=mb.input_ids, position_ids=mb.position_ids,
-                                      use_cache=False).logits
+                        return self._forward(critic, mb).logits
 
                     cm = self._run_update(critic, samples, mini, self.value_loss, critic_out)
                     m.update({f"critic/{k}": v for k, v in cm.items()})

@@ -108,11 +108,24 @@ class TransformersEngine:
     ) -> TransformersEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from services.common.paths import (
+            LOCAL_ONLY,
+            require_model_dir,
+            require_tokenizer_dir,
+            tokenizer_source,
+        )
+
+        # Both paths first (one line naming key and path), then local files only: a missing
+        # directory must never turn into model-hub retries.
+        require_model_dir(path, "model.path")
+        key, tokenizer_dir = tokenizer_source(tokenizer_path, path)
+        require_tokenizer_dir(tokenizer_dir, key)
         torch_dtype: Any = _DTYPES.get(dtype, "auto")
         if dtype == "auto" and device == "cpu":
             torch_dtype = torch.float32  # bf16 matmuls are slow on most CPUs
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device)
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **LOCAL_ONLY)
+        model = model.to(device)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, **LOCAL_ONLY)
         return cls(model, tokenizer, **kwargs)
 
     # ------------------------------------------------------------------ interface

@@ -30,18 +30,33 @@ log = logging.getLogger("forage.scorer.worker")
 
 
 def tokenizer_path(config: RunConfig) -> str | None:
-    return config.scorer.tokenizer_path or config.model.tokenizer_path or config.model.path
+    return tokenizer_key_and_path(config)[1]
 
 
-def load_tokenizer(path: str | None) -> Any:
+def tokenizer_key_and_path(config: RunConfig) -> tuple[str, str | None]:
+    """(config key, path) of the tokenizer the scorer decodes with, first one set wins."""
+    for key, path in (("scorer.tokenizer_path", config.scorer.tokenizer_path),
+                      ("model.tokenizer_path", config.model.tokenizer_path),
+                      ("model.path", config.model.path)):
+        if path:
+            return key, path
+    return "scorer.tokenizer_path", None
+
+
+def load_tokenizer(path: str | None, key: str = "scorer.tokenizer_path") -> Any:
+    """The tokenizer from a local directory; a missing one is one line naming `key`, never a
+    model-hub lookup (services/common/paths.py)."""
+    from services.common.paths import LOCAL_ONLY, InputPathError, require_tokenizer_dir
+
     if not path:
-        raise ValueError(
+        raise InputPathError(
             "the scorer decodes response tokens: set scorer.tokenizer_path, "
             "model.tokenizer_path or model.path"
         )
+    require_tokenizer_dir(path, key)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, **LOCAL_ONLY)
 
 
 @dataclass
@@ -185,7 +200,8 @@ def serve(config: RunConfig) -> int:
     from services.common.streams import RedisStreams
 
     log_ = setup_logging("scorer", run_id=config.run_id, level=config.log_level)
-    tokenizer = load_tokenizer(tokenizer_path(config))
+    key, path = tokenizer_key_and_path(config)
+    tokenizer = load_tokenizer(path, key)  # before the pool and Redis: a bad path fails at once
     scorer = Scorer.from_config(config.scorer).start()
     streams = RedisStreams.from_config(config.redis)
     worker = ScorerWorker(config, scorer, tokenizer, streams)
