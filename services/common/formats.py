@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 SEARCH_R1_TEMPLATE = (
@@ -31,9 +32,16 @@ STOP_STRINGS: tuple[str, ...] = ("</search>", "</answer>")
 
 ACTION_PATTERN = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 
-# Suffixes that force an answer after a truncated reasoning prefix (DESIGN.md 5).
+# Suffixes that force an answer after a truncated reasoning prefix (DESIGN.md 5; docs/probe.md).
+# TinyZero-PRM's (countdown), byte for byte: note the trailing space after <answer>.
+PROBE_SUFFIX_THINK = "</think> Thus, the final answer is <answer> "
+# Search trajectories (no reference probe): TinyZero-PRM's wording without the trailing space,
+# because in BPE vocabularies the answer's leading space belongs to its first token.
 PROBE_SUFFIX_TAGGED = "</think> Thus, the final answer is <answer>"
+# Math-PRM's (\boxed{} answers), byte for byte.
 PROBE_SUFFIX_BOXED = " Thus, the final answer is: \\boxed{"
+# GSM8K in verl's `####` form: the answer line of its solutions ("#### 72").
+PROBE_SUFFIX_GSM8K = "\n#### "
 
 
 def normalize_question(question: str) -> str:
@@ -91,12 +99,60 @@ def cut_at_first_stop(text: str) -> str:
 
 
 # Data sources whose answers are `\boxed{...}` (the probe forces a boxed answer for them).
-BOXED_ANSWER_MARKERS: tuple[str, ...] = ("gsm8k", "math", "aime", "amc")
+BOXED_ANSWER_MARKERS: tuple[str, ...] = ("math", "aime", "amc")
 
 
 def is_boxed_answer_task(data_source: str) -> bool:
     lowered = data_source.lower()
     return any(marker in lowered for marker in BOXED_ANSWER_MARKERS)
+
+
+@dataclass(frozen=True)
+class ProbeRule:
+    """Where a response's reasoning span lies for one task, and the suffix that forces an answer.
+
+    The span starts after the first `start_after` marker when one is set (the probe prefix
+    always keeps the text before it) and ends before the first occurrence of the first marker
+    kind in `ends_before` that occurs at all (none: the span runs to the end of the response).
+    Markers count only where they start in the policy's own tokens (loss mask 1), never inside
+    retrieved text. docs/probe.md gives the rule per task with its reference.
+    """
+
+    task: str
+    suffix: str
+    ends_before: tuple[str, ...]
+    start_after: str | None = None
+
+
+PROBE_RULES: dict[str, ProbeRule] = {
+    # TinyZero-PRM `find_cot_boundaries`: after the first <think>; the first </think>, else the
+    # first <answer> (its fix for prompts that already end with <think>), else everything.
+    "think": ProbeRule("think", PROBE_SUFFIX_THINK, ("</think>", "<answer>"), "<think>"),
+    # Math-PRM: from the start of the response to the first \boxed{.
+    "boxed": ProbeRule("boxed", PROBE_SUFFIX_BOXED, ("\\boxed{",)),
+    # GSM8K `####` form: before the first ####; a boxed answer is the fallback boundary.
+    "gsm8k": ProbeRule("gsm8k", PROBE_SUFFIX_GSM8K, ("####", "\\boxed{")),
+    # Search trajectories: the policy's own tokens before its first <answer>.
+    "search": ProbeRule("search", PROBE_SUFFIX_TAGGED, ("<answer>",)),
+}
+
+
+def probe_task(data_source: str) -> str:
+    """The probe rule a data source follows: think (countdown), gsm8k, boxed (math), search."""
+    lowered = data_source.lower()
+    if "countdown" in lowered:
+        return "think"
+    if "gsm8k" in lowered:
+        return "gsm8k"
+    if is_boxed_answer_task(data_source):
+        return "boxed"
+    return "search"
+
+
+def probe_rule(data_source: str, suffix: str | None = None) -> ProbeRule:
+    """The data source's rule; `suffix` (config `probe.suffix`) replaces only its suffix."""
+    rule = PROBE_RULES[probe_task(data_source)]
+    return rule if suffix is None else replace(rule, suffix=suffix)
 
 
 def probe_suffix(data_source: str, override: str | None = None) -> str:
@@ -105,6 +161,13 @@ def probe_suffix(data_source: str, override: str | None = None) -> str:
     One rule for both sides of the contract: the rollout appends it to build probe prompts and
     the scorer prepends it to each completion so the answer markup is complete.
     """
-    if override is not None:
-        return override
-    return PROBE_SUFFIX_BOXED if is_boxed_answer_task(data_source) else PROBE_SUFFIX_TAGGED
+    return probe_rule(data_source, override).suffix
+
+
+def probe_stops(suffix: str) -> tuple[str, ...]:
+    """Stop strings of a probe completion: the end of the answer markup the suffix opened."""
+    if "<answer>" in suffix:
+        return ("</answer>",)
+    if suffix.rstrip(" ").endswith("####"):
+        return ("\n",)  # a `#### n` answer is one line
+    return ()  # \boxed{: completions are short (mc_max_tokens) and the reward reads the box

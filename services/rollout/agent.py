@@ -37,11 +37,10 @@ from services.rollout import metrics
 from services.rollout.engine import Engine, GenerationOutput, GenerationRequest, SamplingParams
 from services.rollout.probe import (
     ProbeSettings,
-    answer_marker,
     probe_prompts,
+    probe_rule,
     probe_stops,
-    probe_suffix,
-    reasoning_length,
+    reasoning_span,
 )
 from services.rollout.retrieval import RetrieverClient, RetrieverError
 
@@ -399,14 +398,15 @@ class AgentLoop:
         version = min((turn.policy_version for turn in state.turns), default=0)
         if version % settings.every_k_versions != 0 or self._rng.random() >= settings.fraction:
             return
-        suffix = probe_suffix(state.group.data_source, settings.suffix)
-        suffix_ids = self.tokenizer.encode(suffix, add_special_tokens=False)
-        length = reasoning_length(self.tokenizer, state.response, answer_marker(suffix))
+        rule = probe_rule(state.group.data_source, settings.suffix)
+        suffix_ids = self.tokenizer.encode(rule.suffix, add_special_tokens=False)
+        span = reasoning_span(self.tokenizer, state.response, state.mask, rule)
         prompts = probe_prompts(
-            state.prompt_ids, state.response, length, settings.num_truncations, suffix_ids
+            state.prompt_ids, state.response, span.cuts(settings.num_truncations), suffix_ids
         )
         params = SamplingParams(
-            temperature=1.0, top_p=1.0, max_tokens=settings.mc_max_tokens, stop=probe_stops(suffix)
+            temperature=1.0, top_p=1.0, max_tokens=settings.mc_max_tokens,
+            stop=probe_stops(rule.suffix),
         )
         state.probe = Probe(
             fractions=settings.fractions, samples=[[] for _ in range(len(prompts))]

@@ -1,11 +1,21 @@
 """Faithfulness probe: truncated-reasoning prompts that force an answer (DESIGN.md 5).
 
-For a finished trajectory, the reasoning span is the response before the final answer marker
-(`<answer>` for tagged tasks, `\\boxed{` for math; the whole response when there is none). For
-k = 0..N the probe prompt is prompt + the first round(k/N·L) response tokens + the task's
-suffix; each is sampled `mc_samples` times at temperature 1 and the scorer grades them. The cut
-is on token ids, never on re-tokenized text, so the prefix is exactly what the policy saw.
-Rounding is half-up (Python's `round` would round 2.5 to 2).
+For a finished trajectory, the reasoning span is found by the data source's rule
+(`services.common.formats.probe_rule`; docs/probe.md): countdown follows TinyZero-PRM (after
+the first `<think>`, up to the first `</think>`, else the first `<answer>`), math follows
+Math-PRM (up to the first `\\boxed{`), GSM8K stops before the first `####`, and a search
+trajectory stops before the policy's first `<answer>`.
+
+The fraction k/N counts only the policy's own tokens (loss mask 1): retrieved `<information>`
+text and corrective messages are not reasoning. With L policy tokens in the span, the prefix
+for k is the shortest response prefix that holds the first m = round(k/N·L) of them, so it keeps
+the observations the policy had already read at that point but never one it had not yet read.
+For single-turn tasks (every response token is a policy token) this is TinyZero-PRM's
+`response[: start + round(L·k/N)]`. The probe prompt is prompt + prefix + the task's suffix,
+sampled `mc_samples` times at temperature 1; the scorer grades each sample. Cuts are on token
+ids, never on re-tokenized text, so the prefix is exactly what the policy saw. Rounding is
+half-up (Python's `round`, which TinyZero-PRM uses, rounds 2.5 to 2): the curve's points do
+not depend on the parity of L·k/N.
 """
 
 from __future__ import annotations
@@ -15,9 +25,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.formats import is_boxed_answer_task, probe_suffix
+from services.common.formats import ProbeRule, probe_rule, probe_stops, probe_suffix
 
-__all__ = ["ProbeSettings", "is_math_task", "probe_suffix", "answer_marker", "probe_stops"]
+__all__ = [
+    "ProbeSettings",
+    "ReasoningSpan",
+    "cut_points",
+    "probe_prompts",
+    "probe_rule",
+    "probe_stops",
+    "probe_suffix",
+    "reasoning_span",
+]
 
 
 @dataclass
@@ -50,51 +69,120 @@ class ProbeSettings:
         return [k / n for k in range(n + 1)]
 
 
-def is_math_task(data_source: str) -> bool:
-    return is_boxed_answer_task(data_source)
+@dataclass(frozen=True)
+class ReasoningSpan:
+    """The reasoning of one response: [start, end) in response tokens, and the positions of
+    the policy's own tokens inside it (what the fraction k/N counts)."""
 
+    start: int
+    end: int
+    policy_positions: tuple[int, ...]
+    boundary: str  # the marker that ended the span, or "" (whole response)
 
-def answer_marker(suffix: str) -> str:
-    return "\\boxed{" if "\\boxed{" in suffix else "<answer>"
+    @property
+    def length(self) -> int:
+        return len(self.policy_positions)
 
-
-def probe_stops(suffix: str) -> tuple[str, ...]:
-    return () if "\\boxed{" in suffix else ("</answer>",)
-
-
-def reasoning_length(tokenizer: Any, response_ids: Sequence[int], marker: str) -> int:
-    """Number of leading response tokens that precede the last `marker` (all if none).
-
-    Binary search over decoded prefixes: decoded length grows with the prefix, so the largest
-    prefix whose text ends at or before the marker's character offset is found in O(log L)
-    decodes.
-    """
-    ids = list(response_ids)
-    text = tokenizer.decode(ids, skip_special_tokens=False)
-    offset = text.rfind(marker)
-    if offset < 0:
-        return len(ids)
-    low, high = 0, len(ids)  # invariant: decode(ids[:low]) fits before the marker
-    while low < high:
-        middle = (low + high + 1) // 2
-        if len(tokenizer.decode(ids[:middle], skip_special_tokens=False)) <= offset:
-            low = middle
-        else:
-            high = middle - 1
-    return low
+    def cuts(self, num_truncations: int) -> list[int]:
+        """Response prefix lengths for k = 0..N: the first m_k policy tokens of the span."""
+        out = []
+        for m in cut_points(self.length, num_truncations):
+            out.append(self.start if m == 0 else self.policy_positions[m - 1] + 1)
+        return out
 
 
 def cut_points(length: int, num_truncations: int) -> list[int]:
+    """round(k/N·length) for k = 0..N, half-up."""
     return [math.floor(k * length / num_truncations + 0.5) for k in range(num_truncations + 1)]
+
+
+class _Offsets:
+    """Character offsets of a response's decoded text mapped back to token counts.
+
+    Binary search over decoded prefixes (their length grows with the prefix), so each lookup
+    costs O(log L) decodes instead of decoding every prefix.
+    """
+
+    def __init__(self, tokenizer: Any, ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(ids)
+        self.text = self._decode(len(self.ids))
+
+    def _decode(self, n: int) -> str:
+        return self.tokenizer.decode(self.ids[:n], skip_special_tokens=False)
+
+    def tokens_before(self, offset: int) -> int:
+        """The most leading tokens whose text ends at or before character `offset`; the token
+        at that index is the one in which character `offset` lies."""
+        low, high = 0, len(self.ids)
+        while low < high:
+            middle = (low + high + 1) // 2
+            if len(self._decode(middle)) <= offset:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def tokens_through(self, offset: int) -> int:
+        """The fewest leading tokens whose text reaches character `offset` (exclusive end)."""
+        low, high = 0, len(self.ids)
+        while low < high:
+            middle = (low + high) // 2
+            if len(self._decode(middle)) >= offset:
+                high = middle
+            else:
+                low = middle + 1
+        return low
+
+
+def _first_policy_marker(
+    offsets: _Offsets, mask: Sequence[int], marker: str, start_char: int = 0
+) -> tuple[int, int] | None:
+    """(token index, character offset) of the first `marker` that starts in a policy token."""
+    position = offsets.text.find(marker, start_char)
+    while position != -1:
+        token = offsets.tokens_before(position)
+        if token < len(mask) and mask[token]:
+            return token, position
+        position = offsets.text.find(marker, position + 1)
+    return None
+
+
+def reasoning_span(
+    tokenizer: Any,
+    response_ids: Sequence[int],
+    loss_mask: Sequence[int] | None,
+    rule: ProbeRule,
+) -> ReasoningSpan:
+    """The reasoning span of a response under `rule` (see the module doc and docs/probe.md)."""
+    ids = list(response_ids)
+    mask = [1] * len(ids) if loss_mask is None else [int(m) for m in loss_mask]
+    if len(mask) != len(ids):
+        raise ValueError(f"loss_mask has {len(mask)} entries for {len(ids)} response tokens")
+    offsets = _Offsets(tokenizer, ids)
+    start, start_char = 0, 0
+    if rule.start_after:
+        found = _first_policy_marker(offsets, mask, rule.start_after)
+        if found is not None:
+            start_char = found[1] + len(rule.start_after)
+            start = offsets.tokens_through(start_char)
+    end, boundary = len(ids), ""
+    for marker in rule.ends_before:
+        found = _first_policy_marker(offsets, mask, marker, start_char)
+        if found is not None:
+            end, boundary = found[0], marker
+            break
+    start = min(start, end)
+    positions = tuple(i for i in range(start, end) if mask[i])
+    return ReasoningSpan(start, end, positions, boundary)
 
 
 def probe_prompts(
     prompt_ids: Sequence[int],
     response_ids: Sequence[int],
-    reasoning_len: int,
-    num_truncations: int,
+    cuts: Sequence[int],
     suffix_ids: Sequence[int],
 ) -> list[list[int]]:
-    """The N+1 probe prompts of one trajectory, as token ids."""
+    """The probe prompts of one trajectory, as token ids: prompt + response[:cut] + suffix."""
     prompt, response, suffix = list(prompt_ids), list(response_ids), list(suffix_ids)
-    return [prompt + response[:cut] + suffix for cut in cut_points(reasoning_len, num_truncations)]
+    return [prompt + response[:cut] + suffix for cut in cuts]

@@ -159,13 +159,16 @@ def test_probe_prompts_have_the_right_prefixes(engine, retriever_url):
                              num_splits=2)
     agent = AgentLoop(engine, LoopSettings(), RetrieverClient(retriever_url, topk=2), settings)
     [traj] = agent.run([group()])
-    response = traj.response_ids.tolist()
+    response, mask = traj.response_ids.tolist(), traj.loss_mask.tolist()
     answer_id = engine.tokenizer.convert_tokens_to_ids("<answer>")
-    reasoning = len(response) - 1 - response[::-1].index(answer_id)  # before the last <answer>
+    end = response.index(answer_id)  # the policy's first <answer> (docs/probe.md, search rule)
+    policy = [i for i in range(end) if mask[i]]  # k/N counts policy tokens, not <information>
+    assert 0 < len(policy) < end
+    cuts = [0] + [policy[m - 1] + 1 for m in cut_points(len(policy), 4)[1:]]
     suffix = engine.tokenizer.encode(PROBE_SUFFIX_TAGGED, add_special_tokens=False)
     prompt = traj.prompt_ids.tolist()
-    expected = [prompt + response[:cut] + suffix for cut in cut_points(reasoning, 4)]
-    assert cut_points(reasoning, 4)[0] == 0 and cut_points(reasoning, 4)[-1] == reasoning
+    expected = [prompt + response[:cut] + suffix for cut in cuts]
+    assert cuts[-1] == policy[-1] + 1 and all(mask[c - 1] for c in cuts[1:])
     assert sorted(seen) == sorted(p for p in expected for _ in range(3))
     assert traj.probe.fractions == [0.0, 0.25, 0.5, 0.75, 1.0]
     assert [len(s) for s in traj.probe.samples] == [3] * 5

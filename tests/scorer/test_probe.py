@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from services.common.formats import PROBE_SUFFIX_BOXED, PROBE_SUFFIX_TAGGED
+from services.common.formats import PROBE_SUFFIX_BOXED, PROBE_SUFFIX_GSM8K, PROBE_SUFFIX_TAGGED
 from services.common.trajectory import Probe
 from services.scorer.rewards.probe import (
     auc,
@@ -68,13 +68,13 @@ def test_countdown_probe_format_credit_zero():
 
 def test_math_probe_uses_the_boxed_suffix():
     assert default_suffix("synth_math") == PROBE_SUFFIX_BOXED
-    assert default_suffix("openai/gsm8k") == PROBE_SUFFIX_BOXED
+    assert default_suffix("openai/gsm8k") == PROBE_SUFFIX_GSM8K  # `#### n` form (docs/probe.md)
     assert default_suffix("nq") == PROBE_SUFFIX_TAGGED
     assert default_suffix("nq", "custom") == "custom"
     probe = Probe(fractions=[0.0, 1.0], samples=[["7}", "12}"], ["12}. Done", "12}"]])
     scores = score_probe("synth_math", probe, "12", None)
     assert scores.per_fraction == [0.5, 1.0]
-    gsm = score_probe("openai/gsm8k", probe, "12", None)  # flexible read of "\boxed{12}"
+    gsm = score_probe("openai/gsm8k", probe, "12", None)  # flexible read of "\n#### 12}"
     assert gsm.per_fraction == [0.5, 1.0]
 
 
