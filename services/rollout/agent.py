@@ -278,6 +278,11 @@ class AgentLoop:
         kind, state = output.tag[0], output.tag[1]
         if kind == "probe":
             return self._handle_probe(output)
+        if output.finish in ("error", "aborted"):  # the engine rejected or aborted the turn
+            state.finish_reason = "error"
+            state.error = str(output.extra.get("error") or f"engine finish cause {output.finish}")
+            self.engine.release(id(state))
+            return state
         start = len(state.response)
         state.response.extend(output.token_ids)
         state.mask.extend([1] * len(output.token_ids))

@@ -12,7 +12,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-FinishCause = Literal["stop", "eos", "length", "aborted"]
+# "aborted" and "error": the engine ended the request without a policy answer (vLLM rejected
+# or aborted it); `GenerationOutput.extra["error"]` says why, and the agent loop ends that
+# trajectory with finish_reason "error" rather than reading the partial text as an answer.
+FinishCause = Literal["stop", "eos", "length", "aborted", "error"]
 
 
 @dataclass

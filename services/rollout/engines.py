@@ -4,6 +4,49 @@ from __future__ import annotations
 
 from typing import Any
 
+from services.rollout.vllm_worker import EXTENSION_CLASS
+
+# EngineArgs fields Forage sets from its own keys; `rollout.vllm_engine_args` may not override
+# them (a second, silently winning place for the same setting would make configs lie).
+MANAGED_VLLM_ARGS = frozenset({
+    "model", "tokenizer", "seed", "dtype", "max_num_seqs", "gpu_memory_utilization",
+    "tensor_parallel_size", "enforce_eager", "enable_prefix_caching", "max_model_len",
+    "worker_extension_cls", "logprobs_mode",
+})
+
+
+def vllm_engine_kwargs(rollout: Any, model: Any) -> dict[str, Any]:
+    """The vLLM `EngineArgs(**kwargs)` for a config's `rollout` and `model` sections.
+
+    A pure function (no vLLM import), so the mapping from Forage's keys to vLLM's is tested on
+    machines without a GPU. `max_batch_size` becomes `max_num_seqs` (one batch-size key for
+    every engine); `max_model_len` 0 means the model's own limit (vLLM's None).
+    """
+    if not model.path:
+        raise ValueError("model.path is not set: the rollout engine needs a model directory")
+    clash = sorted(MANAGED_VLLM_ARGS & set(rollout.vllm_engine_args))
+    if clash:
+        raise ValueError(f"rollout.vllm_engine_args sets {clash}: use the rollout.* keys "
+                         "for these (docs/rollout.md)")
+    kwargs: dict[str, Any] = dict(
+        model=str(model.path),
+        tokenizer=str(model.tokenizer_path or model.path),
+        seed=rollout.seed,
+        dtype=rollout.dtype,
+        max_num_seqs=rollout.max_batch_size,
+        gpu_memory_utilization=rollout.gpu_memory_utilization,
+        tensor_parallel_size=rollout.tensor_parallel_size,
+        enforce_eager=rollout.enforce_eager,
+        enable_prefix_caching=rollout.enable_prefix_caching,
+        max_model_len=rollout.max_model_len or None,
+        # Weight updates run inside the workers (services/rollout/vllm_worker.py).
+        worker_extension_cls=EXTENSION_CLASS,
+        # Log-probs of the distribution actually sampled from (as the transformers engine).
+        logprobs_mode="processed_logprobs",
+    )
+    kwargs.update(rollout.vllm_engine_args)
+    return kwargs
+
 
 def make_engine(config: Any) -> Any:
     """`config` is a RunConfig: model.path, rollout.engine/device/dtype/max_batch_size/seed."""
@@ -13,10 +56,7 @@ def make_engine(config: Any) -> Any:
     if rollout.engine == "vllm":
         from services.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine.from_pretrained(
-            model.path, tokenizer_path=model.tokenizer_path, max_batch_size=rollout.max_batch_size,
-            seed=rollout.seed, dtype=rollout.dtype,
-        )
+        return VLLMEngine.from_engine_kwargs(vllm_engine_kwargs(rollout, model))
     from services.rollout.transformers_engine import TransformersEngine
 
     return TransformersEngine.from_pretrained(

@@ -24,3 +24,7 @@ WEIGHT_SYNC_SECONDS = Histogram(
 WEIGHT_SYNC_FAILURES = Counter("forage_rollout_weight_sync_failures", "Failed weight fetches")
 GROUPS = Counter("forage_rollout_groups", "Prompt groups published", ["kind"])
 PROBE_COMPLETIONS = Counter("forage_rollout_probe_completions", "Probe completions sampled")
+PREFIX_CACHE_RESET_FAILURES = Counter(
+    "forage_rollout_prefix_cache_reset_failures",
+    "Failed attempts to drop prefix-cache blocks computed with old weights (vLLM)",
+)

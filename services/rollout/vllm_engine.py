@@ -1,88 +1,249 @@
 """The vLLM engine (GPU nodes, the `gpu` extra) behind the same step interface.
 
-Written against vLLM's documented Python API: `LLMEngine.from_engine_args(EngineArgs(...))`,
-`add_request(request_id, TokensPrompt(prompt_token_ids=...), SamplingParams(...))`, `step()`
-returning `RequestOutput`s, `SamplingParams(stop=..., logprobs=0, n=..., ignore_eos=...)`.
-vLLM schedules with continuous batching and paged attention itself, so this class only maps
-requests and outputs. Weights are updated in place between steps through `collective_rpc`, the
-path vLLM's RLHF examples use (each worker's model `load_weights`); with
-`logprobs_mode="processed_logprobs"` the reported log-probs are those of the distribution that
-was sampled from (temperature/top-k/top-p applied), like the transformers engine's.
+Written against vLLM's V1 `LLMEngine` (the range pinned in pyproject's `gpu` extra):
+`LLMEngine.from_engine_args(EngineArgs(...))`, `add_request(request_id,
+TokensPrompt(prompt_token_ids=...), SamplingParams(...))`, `step()` returning `RequestOutput`s,
+`collective_rpc(method_name, args=...)` and `reset_prefix_cache(reset_running_requests=...)`.
+vLLM schedules with continuous batching and paged attention itself, so this class maps
+requests and outputs, and drives weight updates:
 
-vllm is imported lazily so CPU installs never need it. The `forced_tokens` hook is not
+- Weights never cross the engine's RPC (it is msgpack-encoded; see vllm_worker.py). The
+  rollout service calls `pull_weights(version, address, token)`; every vLLM worker fetches
+  that version from the learner itself, all ranks stage it, then all load it (or none does).
+- After an update, prefix-cache blocks computed with the old weights must not be reused.
+  vLLM's `reset_prefix_cache()` returns False (and resets nothing) while running requests hold
+  blocks, and Forage updates between engine steps with requests running; so the reset is done
+  with `reset_running_requests=True` (vLLM preempts the running requests; they recompute their
+  KV with the new weights when rescheduled), its result is checked, failures are retried and
+  counted (`forage_rollout_prefix_cache_reset_failures_total`), and an update whose reset never
+  succeeds stops the replica rather than serve stale KV.
+- A request vLLM rejects (e.g. a prompt longer than `max_model_len`) finishes at once with
+  cause "error"; vLLM's "abort" / "error" finish reasons are never reported as EOS.
+
+With `logprobs_mode="processed_logprobs"` the reported log-probs are those of the distribution
+that was sampled from (temperature/top-k/top-p applied), like the transformers engine's.
+vllm is imported lazily so CPU installs never need it. The `forced_tokens` test hook is not
 supported here (tests that need scripted tokens run on the transformers engine).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
+from services.rollout import metrics
 from services.rollout.engine import (
+    FinishCause,
     ForcedTokens,
     GenerationOutput,
     GenerationRequest,
     run_to_completion,
 )
+from services.rollout.vllm_worker import COMMIT_METHOD, DROP_METHOD, STAGE_METHOD
+
+log = logging.getLogger("forage.rollout.vllm")
+
+RESET_ATTEMPTS = 3
 
 
-def _load_weights_on_worker(worker: Any, items: list[tuple[str, Any]]) -> None:
-    """Runs inside each vLLM worker (collective_rpc): load HF-named tensors into the model."""
-    model = worker.model_runner.model
-    model.load_weights(weights=items)
+# ---------------------------------------------------------------------------- what crosses RPC
 
 
+class RpcCall(NamedTuple):
+    """One call over vLLM's engine RPC: a method name and plain positional arguments."""
+
+    method: str
+    args: tuple
+
+
+def stage_call(version: int, address: str, token: str | None) -> RpcCall:
+    return RpcCall(STAGE_METHOD, (int(version), str(address), str(token or "")))
+
+
+def commit_call(version: int) -> RpcCall:
+    return RpcCall(COMMIT_METHOD, (int(version),))
+
+
+def drop_call() -> RpcCall:
+    return RpcCall(DROP_METHOD, ())
+
+
+def rank_failures(results: Sequence[Mapping[str, Any]] | None) -> list[str]:
+    """One line per rank that did not succeed (an empty answer counts as a failure)."""
+    if not results:
+        return ["no answer from any vLLM worker"]
+    failures = []
+    for index, result in enumerate(results):
+        if not isinstance(result, Mapping) or not result.get("ok"):
+            rank = result.get("rank", index) if isinstance(result, Mapping) else index
+            detail = (result.get("error") or result.get("reason")) if isinstance(
+                result, Mapping) else repr(result)
+            failures.append(f"rank {rank}: {detail}")
+    return failures
+
+
+def failure_reason(results: Sequence[Mapping[str, Any]] | None) -> str:
+    """The first failing rank's machine-readable reason (WeightSyncError.reason's words)."""
+    for result in results or ():
+        if isinstance(result, Mapping) and not result.get("ok"):
+            return str(result.get("reason") or "transport")
+    return "transport"
+
+
+# ---------------------------------------------------------------------------- prefix cache
+
+
+def reset_prefix_cache(reset: Callable[..., bool], attempts: int = RESET_ATTEMPTS) -> bool:
+    """Drop every cached prefix block; True once vLLM confirms it.
+
+    `reset` is vLLM's `LLMEngine.reset_prefix_cache`. It is asked to preempt running requests
+    too: without that, vLLM refuses (returns False) whenever a request holds blocks, which is
+    always the case between two steps of a busy engine. vLLM raises RuntimeError when even
+    that cannot free the blocks (remote KV transfers in flight). Each failed attempt is
+    counted in `forage_rollout_prefix_cache_reset_failures_total`.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            if reset(reset_running_requests=True):
+                return True
+            problem = "vLLM returned False"
+        except RuntimeError as exc:
+            problem = str(exc)
+        metrics.PREFIX_CACHE_RESET_FAILURES.inc()
+        log.warning("prefix cache reset attempt %d/%d failed: %s", attempt, attempts, problem)
+    return False
+
+
+# ---------------------------------------------------------------------------- outputs
+
+
+@dataclass
+class MappedCompletion:
+    cause: FinishCause
+    token_ids: list[int]
+    logprobs: list[float]
+    stop_string: str | None = None
+    error: str | None = None
+
+
+def map_completion(
+    finish_reason: str | None,
+    stop_reason: int | str | None,
+    token_ids: Sequence[int],
+    logprobs: Sequence[Mapping[int, float]] | None,
+) -> MappedCompletion:
+    """A finished vLLM completion in Forage's terms (plain values in, plain values out).
+
+    vLLM's finish reasons are "stop", "length", "abort", "error" and "repetition". "stop"
+    with a string `stop_reason` is a stop string; with None (the EOS token) or an int (another
+    of the model's stop token ids, e.g. from its generation config) it is EOS. "abort" and
+    "error" are not answers, and neither is a reason Forage does not know: they map to
+    "aborted" / "error" with a message, never to "eos". `logprobs` holds, per generated token,
+    a mapping token id -> log-prob that must contain the sampled token; a missing or
+    misaligned entry is an error too (a silently shifted log-prob would corrupt the loss).
+    """
+    ids = [int(t) for t in token_ids]
+    stop_string = None
+    if finish_reason == "length":
+        cause: FinishCause = "length"
+    elif finish_reason == "stop":
+        if isinstance(stop_reason, str):
+            cause, stop_string = "stop", stop_reason
+        else:
+            cause = "eos"
+    elif finish_reason == "abort":
+        return MappedCompletion("aborted", ids, [], error="vLLM aborted the request")
+    elif finish_reason == "error":
+        return MappedCompletion("error", ids, [], error="vLLM ended the request with an error")
+    else:
+        return MappedCompletion("error", ids, [],
+                                error=f"vLLM finish_reason {finish_reason!r} is not handled")
+    if logprobs is None or len(logprobs) != len(ids):
+        got = "none" if logprobs is None else len(logprobs)
+        return MappedCompletion("error", ids, [],
+                                error=f"vLLM returned {got} log-prob entries for {len(ids)} tokens")
+    values = []
+    for position, (token, entry) in enumerate(zip(ids, logprobs, strict=True)):
+        if token not in entry:
+            return MappedCompletion(
+                "error", ids, [], error=f"vLLM gave no log-prob for token {token} at {position}")
+        values.append(float(entry[token]))
+    return MappedCompletion(cause, ids, values, stop_string=stop_string)
+
+
+def plain_logprobs(entries: Iterable[Mapping[int, Any]] | None) -> list[dict[int, float]] | None:
+    """vLLM's per-token {token_id: Logprob} entries as {token_id: float}."""
+    if entries is None:
+        return None
+    return [{int(t): float(getattr(lp, "logprob", lp)) for t, lp in entry.items()}
+            for entry in entries]
+
+
+def error_output(request: GenerationRequest, message: str, version: int) -> GenerationOutput:
+    """A request that ends without generating: the agent loop records it as an error."""
+    return GenerationOutput(request=request, token_ids=[], logprobs=[], finish="error",
+                            version_start=version, version_end=version,
+                            extra={"error": message})
+
+
+# ---------------------------------------------------------------------------- the engine
+
+
+@dataclass
+class _Live:
+    request: GenerationRequest
+    version_start: int
+
+
+@dataclass(eq=False)
 class VLLMEngine:
-    def __init__(self, llm_engine: Any, tokenizer: Any, max_batch_size: int,
-                 policy_version: int = 0) -> None:
-        self.llm_engine = llm_engine
-        self.tokenizer = tokenizer
-        self.max_batch_size = max_batch_size
-        self.policy_version = policy_version
-        self.forced_tokens: ForcedTokens | None = None
-        self.tokens_generated = 0
-        self._requests: dict[str, tuple[GenerationRequest, int]] = {}
-        self._next_id = 0
+    llm_engine: Any
+    tokenizer: Any
+    max_batch_size: int
+    policy_version: int = 0
+    prefix_caching: bool = True
+    forced_tokens: ForcedTokens | None = None
+    tokens_generated: int = 0
+    _live: dict[str, _Live] = field(default_factory=dict)
+    _failed: list[GenerationOutput] = field(default_factory=list)
+    _next_id: int = 0
 
     @classmethod
-    def from_pretrained(
-        cls,
-        path: str,
-        tokenizer_path: str | None = None,
-        max_batch_size: int = 256,
-        seed: int = 0,
-        dtype: str = "auto",
-        gpu_memory_utilization: float = 0.6,
-        **engine_kwargs: Any,
-    ) -> VLLMEngine:
-        import inspect
-
+    def from_engine_kwargs(cls, engine_kwargs: dict[str, Any]) -> VLLMEngine:
+        """Start vLLM from `engines.vllm_engine_kwargs(config)` (the EngineArgs fields)."""
         from vllm import EngineArgs, LLMEngine
 
-        kwargs: dict[str, Any] = dict(
-            model=path,
-            tokenizer=tokenizer_path or path,
-            seed=seed,
-            dtype=dtype,
-            max_num_seqs=max_batch_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=True,  # multi-turn: later turns reuse the earlier KV
-        )
-        if "logprobs_mode" in inspect.signature(EngineArgs).parameters:
-            kwargs["logprobs_mode"] = "processed_logprobs"
-        kwargs.update(engine_kwargs)
-        llm_engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
-        return cls(llm_engine, llm_engine.get_tokenizer(), max_batch_size)
+        llm_engine = LLMEngine.from_engine_args(EngineArgs(**engine_kwargs))
+        return cls(llm_engine, llm_engine.get_tokenizer(), int(engine_kwargs["max_num_seqs"]),
+                   prefix_caching=bool(engine_kwargs.get("enable_prefix_caching", True)))
+
+    # ------------------------------------------------------------------ requests
 
     def add_request(self, request: GenerationRequest) -> None:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
         if self.forced_tokens is not None:
             raise NotImplementedError("forced_tokens is a transformers-engine test hook")
         if request.request_id < 0:
             request.request_id = self._next_id
             self._next_id += 1
+        key = f"r{request.request_id}-{self._next_id}"
+        self._next_id += 1
+        try:
+            self._submit(key, request)
+        except Exception as exc:  # noqa: BLE001 - vLLM validates inputs by raising (ValueError...)
+            log.warning("vLLM rejected request %s: %s", key, exc)
+            self._failed.append(error_output(
+                request, f"vLLM rejected the request: {type(exc).__name__}: {exc}",
+                self.policy_version))
+            return
+        self._live[key] = _Live(request, self.policy_version)
+
+    def _submit(self, key: str, request: GenerationRequest) -> None:
+        """Hand one request to vLLM (the only place that builds vLLM's request types)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
         p = request.params
         params = SamplingParams(
             n=1,
@@ -94,45 +255,38 @@ class VLLMEngine:
             include_stop_str_in_output=True,
             ignore_eos=p.ignore_eos,
             logprobs=0,  # the sampled token's own log-prob only
-            detokenize=True,
+            detokenize=True,  # stop strings are matched on text
         )
-        key = f"r{request.request_id}-{self._next_id}"
-        self._next_id += 1
-        self._requests[key] = (request, self.policy_version)
         self.llm_engine.add_request(key, TokensPrompt(prompt_token_ids=list(request.prompt_ids)),
                                     params)
 
     def step(self) -> list[GenerationOutput]:
-        finished = []
+        finished, self._failed = self._failed, []
+        if not self._live:
+            return finished
         for result in self.llm_engine.step():
-            if not result.finished:
+            if not result.finished or result.request_id not in self._live:
                 continue
-            request, version_start = self._requests.pop(result.request_id)
+            live = self._live.pop(result.request_id)
             completion = result.outputs[0]
-            token_ids = list(completion.token_ids)
-            logprobs = [
-                float(entry[token].logprob) for entry, token in zip(completion.logprobs or [],
-                                                                      token_ids, strict=False)
-            ]
-            stop = completion.stop_reason if isinstance(completion.stop_reason, str) else None
-            if completion.finish_reason == "length":
-                cause = "length"
-            elif stop is not None:
-                cause = "stop"
-            else:
-                cause = "eos"
-            self.tokens_generated += len(token_ids)
+            mapped = map_completion(completion.finish_reason, completion.stop_reason,
+                                    completion.token_ids, plain_logprobs(completion.logprobs))
+            if mapped.error:
+                log.warning("request %s: %s", result.request_id, mapped.error)
+            self.tokens_generated += len(mapped.token_ids)
             finished.append(GenerationOutput(
-                request=request, token_ids=token_ids, logprobs=logprobs, finish=cause,
-                stop_string=stop, version_start=version_start, version_end=self.policy_version,
+                request=live.request, token_ids=mapped.token_ids, logprobs=mapped.logprobs,
+                finish=mapped.cause, stop_string=mapped.stop_string,
+                version_start=live.version_start, version_end=self.policy_version,
+                extra={"error": mapped.error} if mapped.error else {},
             ))
         return finished
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests) or self.llm_engine.has_unfinished_requests()
+        return bool(self._failed) or bool(self._live)
 
     def num_running(self) -> int:
-        return min(len(self._requests), self.max_batch_size)
+        return min(len(self._live), self.max_batch_size)
 
     def release(self, cache_key: Any) -> None:
         return  # vLLM's automatic prefix caching reuses earlier turns' KV by content
@@ -140,9 +294,41 @@ class VLLMEngine:
     def generate(self, requests: Iterable[GenerationRequest]) -> list[GenerationOutput]:
         return run_to_completion(self, requests)
 
+    # ------------------------------------------------------------------ weights
+
     def load_weights(self, state_dict: dict[str, Any], version: int) -> None:
-        items = [(name, tensor) for name, tensor in state_dict.items()]
-        self.llm_engine.collective_rpc(_load_weights_on_worker, args=(items,))
-        if hasattr(self.llm_engine, "reset_prefix_cache"):
-            self.llm_engine.reset_prefix_cache()  # cached prefixes came from the old weights
-        self.policy_version = int(version)
+        raise NotImplementedError(
+            "the vLLM engine does not take tensors: its workers fetch weights themselves "
+            "(use pull_weights(version, address, token))")
+
+    def _rpc(self, call: RpcCall) -> list[Any]:
+        return self.llm_engine.collective_rpc(call.method, args=call.args)
+
+    def pull_weights(self, version: int, address: str, token: str | None = None) -> int:
+        """Have every vLLM worker fetch `version` from the weight server and load it.
+
+        Raises WeightSyncError (old weights keep serving) when any rank could not fetch and
+        verify it; RuntimeError when ranks failed to load staged weights or the prefix cache
+        could not be reset (the replica must not go on serving a half-updated model).
+        """
+        from services.common.weight_sync import WeightSyncError
+
+        version = int(version)
+        staged = self._rpc(stage_call(version, address, token))
+        failures = rank_failures(staged)
+        if failures:
+            self._rpc(drop_call())
+            raise WeightSyncError(failure_reason(staged),
+                                  f"v{version} not staged on every vLLM worker: "
+                                  + "; ".join(failures))
+        loaded = self._rpc(commit_call(version))
+        failures = rank_failures(loaded)
+        if failures:
+            raise RuntimeError(f"vLLM workers failed to load staged weights v{version}: "
+                               + "; ".join(failures))
+        self.policy_version = version
+        if self.prefix_caching and not reset_prefix_cache(self.llm_engine.reset_prefix_cache):
+            raise RuntimeError(
+                f"loaded v{version} but vLLM's prefix cache could not be reset after "
+                f"{RESET_ATTEMPTS} attempts; cached blocks from old weights would be reused")
+        return version

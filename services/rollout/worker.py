@@ -214,8 +214,16 @@ class RolloutWorker:
             if version <= self.engine.policy_version and not first:
                 return False
             started = time.perf_counter()
-            version, state_dict = self._client().fetch()  # newest consistent version
-            self.engine.load_weights(state_dict, version)
+            if hasattr(self.engine, "pull_weights"):
+                # vLLM: each engine worker fetches this version itself (nothing crosses the
+                # engine's RPC but the version, the address and the token).
+                learner = self.config.learner
+                version = self.engine.pull_weights(
+                    version, f"{learner.weight_sync_host}:{learner.weight_sync_port}",
+                    learner.weight_sync_token)
+            else:
+                version, state_dict = self._client().fetch()  # newest consistent version
+                self.engine.load_weights(state_dict, version)
         except (WeightSyncError, ValueError) as exc:
             metrics.WEIGHT_SYNC_FAILURES.inc()
             log.warning("weight sync failed, keeping version %d: %s",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -46,3 +46,18 @@ class RolloutSection(Section):
     heartbeat_ttl_s: float = Field(default=15.0, gt=0)
     # Backoff base between /retrieve retries (doubles each retry; count is retriever.retries).
     retrieve_backoff_s: float = Field(default=0.25, ge=0)
+    # vLLM engine (rollout.engine: vllm; docs/rollout.md). max_batch_size is vLLM's max_num_seqs
+    # and dtype its dtype. Fraction of each GPU vLLM may take for weights + KV cache: vLLM's
+    # default, for a rollout that has its GPU(s) to itself; lower it where a GPU is shared.
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    # Eager mode skips CUDA-graph capture (faster start, less memory, slower decoding).
+    enforce_eager: bool = False
+    # Multi-turn: later turns reuse the earlier turns' KV blocks (reset after every update).
+    enable_prefix_caching: bool = True
+    # Longest prompt + response vLLM accepts (0: the model's own limit); longer requests end
+    # with finish_reason=error instead of running.
+    max_model_len: int = Field(default=0, ge=0)
+    # Any other vLLM EngineArgs field, passed through as given (e.g. max_num_batched_tokens,
+    # kv_cache_dtype); the keys above and the ones Forage sets itself cannot be overridden here.
+    vllm_engine_args: dict[str, Any] = Field(default_factory=dict)

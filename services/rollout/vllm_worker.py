@@ -1,0 +1,161 @@
+"""Weight updates inside vLLM's worker processes (DESIGN.md 3.4).
+
+vLLM (V1) runs the model in worker processes and reaches them through `collective_rpc`, whose
+arguments are msgpack-encoded on the way to the engine core: a Python function or a tensor
+does not cross (vLLM raises `TypeError` unless insecure pickling is switched on, and even then
+tensors arrive as lists). So the rollout service never sends weights. It sends a version, the
+learner's weight-server address and a token; each worker fetches that version itself with
+`WeightSyncClient` (checksum-verified) and loads it through its model's own `load_weights`,
+which shards every tensor for its tensor-parallel rank.
+
+An update is two-phase so that all ranks switch together or none does:
+  1. `forage_stage_weights(version, address, token)`: every rank fetches and verifies into a
+     CPU staging copy; the model is not touched.
+  2. `forage_commit_weights(version)`: only when every rank staged, each loads its copy;
+     otherwise `forage_drop_staged_weights()` frees the copies and the old weights serve on.
+Every method takes and returns plain values only (str, int, bool, None, dicts of those), so
+the calls pass vLLM's msgpack serializer without pickling.
+
+`WorkerWeightLoader` is the part that is not vLLM: fetch, stage, hand (name, tensor) pairs to
+a `load_weights(weights=...)` callable and report. `ForageWorkerExtension` is the thin glue
+vLLM mixes into its worker class (`worker_extension_cls`); vLLM requires that none of its
+attribute names exist on the worker already, hence the `forage_` prefix on every one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("forage.rollout.vllm_worker")
+
+# The qualified name vLLM imports in every worker (EngineArgs.worker_extension_cls).
+EXTENSION_CLASS = "services.rollout.vllm_worker.ForageWorkerExtension"
+STAGE_METHOD = "forage_stage_weights"
+COMMIT_METHOD = "forage_commit_weights"
+DROP_METHOD = "forage_drop_staged_weights"
+
+# vLLM's model method: load_weights(weights: Iterable[tuple[str, Tensor]]) -> set[str] | None
+LoadWeights = Callable[..., Any]
+
+
+def _result(ok: bool, version: int, rank: int | None, reason: str = "", error: str = "",
+            tensors: int = 0, nbytes: int = 0) -> dict[str, Any]:
+    """One rank's answer: only msgpack-native values (it travels back through vLLM's RPC)."""
+    return {"ok": bool(ok), "version": int(version), "rank": rank, "reason": reason,
+            "error": error, "tensors": int(tensors), "bytes": int(nbytes)}
+
+
+class WorkerWeightLoader:
+    """Fetch a named version into staging, then load it through a model's `load_weights`.
+
+    One per worker process. The gRPC client is kept between updates (one channel per
+    learner address). A failed or corrupt fetch leaves nothing staged and the model untouched:
+    `WeightSyncClient.fetch` returns only a complete, checksum-verified set.
+    """
+
+    def __init__(self, rank: int | None = None, fetch_timeout_s: float | None = None) -> None:
+        self.rank = rank
+        self.fetch_timeout_s = fetch_timeout_s
+        self._client: Any = None
+        self._client_key: tuple[str, str] | None = None
+        self._staged: tuple[int, dict[str, Any]] | None = None
+
+    def _client_for(self, address: str, token: str) -> Any:
+        from services.common.weight_sync import WeightSyncClient
+
+        key = (address, token)
+        if self._client is None or self._client_key != key:
+            if self._client is not None:
+                self._client.close()
+            self._client = WeightSyncClient(address, token=token or None,
+                                            fetch_timeout_s=self.fetch_timeout_s)
+            self._client_key = key
+        return self._client
+
+    def stage(self, version: int, address: str, token: str = "") -> dict[str, Any]:
+        """Fetch exactly `version` (every rank must load the same one) into a staging copy."""
+        from services.common.weight_sync import WeightSyncError
+
+        self._staged = None
+        version = int(version)
+        if version <= 0:
+            return _result(False, version, self.rank, "manifest",
+                           f"version must be positive, got {version}")
+        try:
+            got, tensors = self._client_for(address, token).fetch(version)
+        except WeightSyncError as exc:
+            return _result(False, version, self.rank, exc.reason, str(exc))
+        except Exception as exc:  # noqa: BLE001 - reported to the engine, never raised across RPC
+            return _result(False, version, self.rank, "error", f"{type(exc).__name__}: {exc}")
+        if got != version:  # fetch(version) guarantees this; checked because ranks must agree
+            return _result(False, version, self.rank, "superseded",
+                           f"asked for version {version}, got {got}")
+        self._staged = (got, tensors)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return _result(True, got, self.rank, tensors=len(tensors), nbytes=nbytes)
+
+    def commit(self, version: int, load_weights: LoadWeights) -> dict[str, Any]:
+        """Load the staged copy of `version`; the staging copy is freed either way."""
+        staged, self._staged = self._staged, None
+        version = int(version)
+        if staged is None or staged[0] != version:
+            have = "nothing" if staged is None else f"version {staged[0]}"
+            return _result(False, version, self.rank, "not_staged",
+                           f"asked to load version {version} but {have} is staged")
+        tensors = staged[1]
+        try:
+            load_weights(weights=iter(tensors.items()))
+        except Exception as exc:  # noqa: BLE001 - reported; the engine treats it as fatal
+            return _result(False, version, self.rank, "load", f"{type(exc).__name__}: {exc}")
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return _result(True, version, self.rank, tensors=len(tensors), nbytes=nbytes)
+
+    def drop(self) -> dict[str, Any]:
+        staged, self._staged = self._staged, None
+        return _result(True, staged[0] if staged else 0, self.rank)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+class ForageWorkerExtension:
+    """Mixed into vLLM's worker class (`--worker-extension-cls`); called via `collective_rpc`.
+
+    `self` is the vLLM worker: `self.model_runner.model` is this rank's model, `self.device`
+    its device, `self.rank` its rank. Those three attributes are all this class relies on.
+    """
+
+    def _forage_loader(self) -> WorkerWeightLoader:
+        loader = getattr(self, "_forage_weight_loader", None)
+        if loader is None:
+            loader = WorkerWeightLoader(rank=getattr(self, "rank", None))
+            self._forage_weight_loader = loader
+        return loader
+
+    def forage_stage_weights(self, version: int, address: str, token: str = "") -> dict[str, Any]:
+        result = self._forage_loader().stage(version, address, token)
+        if not result["ok"]:
+            log.warning("rank %s: staging weights v%s failed: %s", result["rank"], version,
+                        result["error"])
+        return result
+
+    def forage_commit_weights(self, version: int) -> dict[str, Any]:
+        import torch
+
+        model = self.model_runner.model
+        device = getattr(self, "device", None)
+        # vLLM's own weight-update path loads under the worker's device as the default device.
+        context = torch.device(device) if device is not None else contextlib.nullcontext()
+        with context:
+            result = self._forage_loader().commit(version, model.load_weights)
+        if result["ok"] and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return result
+
+    def forage_drop_staged_weights(self) -> dict[str, Any]:
+        return self._forage_loader().drop()

@@ -1,0 +1,188 @@
+"""The vLLM engine's own logic, as plain functions: finish-reason mapping, config -> EngineArgs,
+prefix-cache reset with retries, and requests vLLM rejects (vLLM itself cannot run here)."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import REGISTRY
+
+from services.common.config import ConfigError, load_config
+from services.common.trajectory import PromptGroup
+from services.rollout.agent import AgentLoop, LoopSettings
+from services.rollout.engine import GenerationRequest, SamplingParams, run_to_completion
+from services.rollout.engines import vllm_engine_kwargs
+from services.rollout.vllm_engine import (
+    RESET_ATTEMPTS,
+    VLLMEngine,
+    map_completion,
+    plain_logprobs,
+    reset_prefix_cache,
+)
+from services.rollout.vllm_worker import EXTENSION_CLASS
+
+# ------------------------------------------------------------------ finish reasons
+
+
+def test_stop_string_eos_and_length():
+    lp = [{5: -0.5}, {7: -1.0, 8: -2.0}]
+    stop = map_completion("stop", "</search>", [5, 7], lp)
+    assert (stop.cause, stop.stop_string, stop.logprobs, stop.error) == (
+        "stop", "</search>", [-0.5, -1.0], None)
+    assert map_completion("stop", None, [5, 7], lp).cause == "eos"  # the EOS token
+    assert map_completion("stop", 151643, [5, 7], lp).cause == "eos"  # another stop token id
+    assert map_completion("length", None, [5, 7], lp).cause == "length"
+
+
+@pytest.mark.parametrize("reason, cause", [("abort", "aborted"), ("error", "error"),
+                                           ("repetition", "error"), (None, "error")])
+def test_abort_error_and_unknown_reasons_are_never_eos(reason, cause):
+    mapped = map_completion(reason, None, [5], [{5: -0.1}])
+    assert mapped.cause == cause and mapped.error and mapped.logprobs == []
+
+
+def test_missing_or_misaligned_logprobs_are_errors_not_shifted():
+    assert map_completion("stop", None, [5, 7], None).cause == "error"
+    assert map_completion("stop", None, [5, 7], [{5: -0.5}]).cause == "error"
+    wrong = map_completion("stop", None, [5, 7], [{5: -0.5}, {8: -1.0}])
+    assert wrong.cause == "error" and "token 7 at 1" in wrong.error
+
+
+def test_plain_logprobs_reads_vllm_logprob_objects():
+    class Logprob:  # vLLM's vllm.logprobs.Logprob carries .logprob, .rank, .decoded_token
+        def __init__(self, logprob):
+            self.logprob = logprob
+
+    assert plain_logprobs([{5: Logprob(-0.25)}]) == [{5: -0.25}]
+    assert plain_logprobs(None) is None
+
+
+# ------------------------------------------------------------------ config -> EngineArgs
+
+
+def test_rollout_keys_reach_the_engine_args(tmp_path):
+    config = load_config(overrides=[
+        f"model.path={tmp_path}", "rollout.engine=vllm", "rollout.dtype=bfloat16",
+        "rollout.max_batch_size=256", "rollout.gpu_memory_utilization=0.55",
+        "rollout.tensor_parallel_size=2", "rollout.enforce_eager=true",
+        "rollout.enable_prefix_caching=false", "rollout.max_model_len=8192", "rollout.seed=3",
+        "rollout.vllm_engine_args={max_num_batched_tokens: 4096}"])
+    kwargs = vllm_engine_kwargs(config.rollout, config.model)
+    assert kwargs == {
+        "model": str(tmp_path), "tokenizer": str(tmp_path), "seed": 3, "dtype": "bfloat16",
+        "max_num_seqs": 256, "gpu_memory_utilization": 0.55, "tensor_parallel_size": 2,
+        "enforce_eager": True, "enable_prefix_caching": False, "max_model_len": 8192,
+        "worker_extension_cls": EXTENSION_CLASS, "logprobs_mode": "processed_logprobs",
+        "max_num_batched_tokens": 4096,
+    }
+
+
+def test_defaults_and_refused_overrides(tmp_path):
+    config = load_config(overrides=[f"model.path={tmp_path}"])
+    kwargs = vllm_engine_kwargs(config.rollout, config.model)
+    assert (kwargs["gpu_memory_utilization"], kwargs["tensor_parallel_size"],
+            kwargs["enforce_eager"], kwargs["enable_prefix_caching"], kwargs["max_model_len"],
+            kwargs["max_num_seqs"]) == (0.9, 1, False, True, None, 32)
+    clash = load_config(overrides=[f"model.path={tmp_path}",
+                                   "rollout.vllm_engine_args={gpu_memory_utilization: 0.3}"])
+    with pytest.raises(ValueError, match=r"vllm_engine_args sets \['gpu_memory_utilization'\]"):
+        vllm_engine_kwargs(clash.rollout, clash.model)
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        load_config(overrides=["rollout.gpu_memory_utilization=1.5"])
+
+
+# ------------------------------------------------------------------ prefix cache
+
+
+class SchedulerPrefixCache:
+    """vLLM's documented contract for `reset_prefix_cache(reset_running_requests,
+    reset_connector) -> bool` (vllm/v1/core/sched/scheduler.py), standing in because vLLM
+    cannot run here. Without `reset_running_requests` it resets only when no running request
+    holds blocks and returns whether it did. With it, running requests are first preempted
+    (moved back to waiting, their blocks freed); if blocks still cannot be freed (remote KV
+    transfers in flight, `stuck` attempts here) vLLM raises RuntimeError."""
+
+    def __init__(self, running: int, stuck: int = 0) -> None:
+        self.running, self.waiting, self.stuck = running, 0, stuck
+        self.cached_blocks = {"prefix-a", "prefix-b"}
+
+    def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
+        if reset_running_requests:
+            self.waiting, self.running = self.waiting + self.running, 0
+            if self.stuck:
+                self.stuck -= 1
+                raise RuntimeError("Failed to reset KV cache even when all the running "
+                                   "requests are preempted and moved to the waiting queue.")
+        if self.running:
+            return False
+        self.cached_blocks.clear()
+        return True
+
+
+def failures() -> float:
+    return REGISTRY.get_sample_value("forage_rollout_prefix_cache_reset_failures_total") or 0.0
+
+
+def test_reset_takes_effect_while_requests_run():
+    cache = SchedulerPrefixCache(running=3)
+    assert cache.reset_prefix_cache() is False and cache.cached_blocks  # the old call: no-op
+    before = failures()
+    assert reset_prefix_cache(cache.reset_prefix_cache) is True
+    assert cache.cached_blocks == set() and cache.waiting == 3 and failures() == before
+
+
+def test_reset_retries_and_counts_failures():
+    cache = SchedulerPrefixCache(running=2, stuck=2)
+    before = failures()
+    assert reset_prefix_cache(cache.reset_prefix_cache) is True
+    assert failures() == before + 2 and cache.cached_blocks == set()
+    hopeless = SchedulerPrefixCache(running=1, stuck=RESET_ATTEMPTS + 1)
+    assert reset_prefix_cache(hopeless.reset_prefix_cache) is False
+    assert failures() == before + 2 + RESET_ATTEMPTS and hopeless.cached_blocks
+
+
+# ------------------------------------------------------------------ rejected requests
+
+
+class IdleLLMEngine:
+    """vLLM's LLMEngine contract with nothing admitted: step() returns no outputs."""
+
+    def step(self):
+        return []
+
+    def has_unfinished_requests(self):
+        return False
+
+
+class RejectingVLLMEngine(VLLMEngine):
+    """`_submit` raises as vLLM's input processing does for a prompt over max_model_len
+    (a ValueError naming both lengths), standing in because vLLM cannot run here."""
+
+    max_model_len = 16
+
+    def _submit(self, key, request):
+        if len(request.prompt_ids) > self.max_model_len:
+            raise ValueError(f"The decoder prompt (length {len(request.prompt_ids)}) is longer "
+                             f"than the maximum model length of {self.max_model_len}.")
+        raise AssertionError("only over-long prompts are sent in these tests")
+
+
+def test_a_rejected_request_finishes_with_an_error_instead_of_hanging():
+    engine = RejectingVLLMEngine(IdleLLMEngine(), tokenizer=None, max_batch_size=4,
+                                 policy_version=5)
+    [out] = run_to_completion(engine, [GenerationRequest(list(range(40)), SamplingParams())])
+    assert out.finish == "error" and out.token_ids == [] and out.version_start == 5
+    assert "longer than the maximum model length of 16" in out.extra["error"]
+    assert not engine.has_unfinished()
+
+
+def test_agent_records_a_rejected_turn_as_an_error_trajectory(tiny_policy_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_policy_dir))
+    engine = RejectingVLLMEngine(IdleLLMEngine(), tokenizer=tokenizer, max_batch_size=4)
+    group = PromptGroup(uid="g", data_source="nq", ground_truth={"target": ["x"]}, n=2,
+                        prompt=[{"role": "user", "content": "Where was Brixol born? " * 4}])
+    trajectories = AgentLoop(engine, LoopSettings(use_search=False)).run([group])
+    assert [t.finish_reason for t in trajectories] == ["error", "error"]
+    assert all("maximum model length" in t.error for t in trajectories)
+    assert all(len(t.response_ids) == 0 for t in trajectories)
