@@ -5,9 +5,11 @@ prompt is the trajectory's prompt ids + every response id so far (never re-token
 The turn stops at `</search>` / `</answer>` or EOS; its action is the first
 `<(search|answer)>…</…>` in the decoded turn. search → the query joins the next batched
 /retrieve call and the observation `\\n\\n<information>…</information>\\n\\n` is appended;
-answer → done; neither → Search-R1's corrective message. After `max_turns` such rounds a
-trajectory gets one final turn whose search is not executed. Observation tokens get loss_mask 0
-and log-prob 0.
+answer → done; neither → Search-R1's corrective message. An empty `<search> </search>` sends
+"" (Search-R1 retrieves for it); a query the retriever refuses gets a `Search failed: ...`
+observation and only an outage errors the trajectories of that call (services.rollout.retrieval).
+After `max_turns` such rounds a trajectory gets one final turn whose search is not executed.
+Observation tokens get loss_mask 0 and log-prob 0.
 
 Scheduling. `continuous` (default): a trajectory whose turn ended goes back to the engine as
 soon as its observation is ready, and searches are sent while the engine keeps decoding the
@@ -42,7 +44,7 @@ from services.rollout.probe import (
     probe_stops,
     reasoning_span,
 )
-from services.rollout.retrieval import RetrieverClient, RetrieverError
+from services.rollout.retrieval import QueryRejected, RetrieverClient, RetrieverError
 
 log = logging.getLogger("forage.rollout.agent")
 
@@ -358,7 +360,7 @@ class AgentLoop:
             return False
         return True
 
-    def _retrieve(self, queries: list[str]) -> list[list[dict[str, Any]]]:
+    def _retrieve(self, queries: list[str]) -> list[list[dict[str, Any]] | QueryRejected]:
         if self.retriever is None:
             raise RetrieverError("no retriever configured (rollout.use_search is on)")
         return self.retriever.retrieve(queries)
@@ -381,9 +383,13 @@ class AgentLoop:
             return [state for state, _ in batch]
         touched = []
         for (state, _), docs in zip(batch, results, strict=True):
-            state.searches += 1
-            metrics.SEARCHES.inc()
-            if self._append_observation(state, information_block(docs)):
+            if isinstance(docs, QueryRejected):  # this query only: the others are answered
+                observation = docs.observation()
+            else:
+                state.searches += 1
+                metrics.SEARCHES.inc()
+                observation = information_block(docs)
+            if self._append_observation(state, observation):
                 self._continue(state, deferred, lockstep)
             else:
                 self._start_probe(state)

@@ -16,6 +16,8 @@ RETRIEVER_LATENCY = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
 RETRIEVER_ERRORS = Counter("forage_rollout_retriever_errors", "Failed /retrieve attempts")
+REJECTED_QUERIES = Counter("forage_rollout_rejected_queries",
+                           "Search queries refused (by the client's check or the server)")
 POLICY_VERSION = Gauge("forage_rollout_policy_version", "Policy version being served")
 WEIGHT_SYNC_SECONDS = Histogram(
     "forage_rollout_weight_sync_seconds", "Time to fetch and load new weights",

@@ -58,6 +58,7 @@ class RolloutWorker:
                 config.retriever.url, topk=config.retriever.topk,
                 timeout_s=config.retriever.timeout_s, retries=config.retriever.retries,
                 backoff_s=config.rollout.retrieve_backoff_s,
+                max_query_chars=config.retriever.max_query_chars,
             )
         self.loop = AgentLoop(
             self.engine, LoopSettings.from_config(config.rollout), retriever,
