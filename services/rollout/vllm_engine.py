@@ -255,8 +255,7 @@ class VLLMEngine:
             include_stop_str_in_output=True,
             ignore_eos=p.ignore_eos,
             logprobs=0,  # the sampled token's own log-prob only
-            detokenize=True,  # stop strings are matched on text
-        )
+        )  # vLLM detokenizes by default: stop strings are matched on the text
         self.llm_engine.add_request(key, TokensPrompt(prompt_token_ids=list(request.prompt_ids)),
                                     params)
 
