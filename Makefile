@@ -13,13 +13,15 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
-		echo "CUDA device found: installing the default torch build"; \
-		$(BIN)/python -m pip install -q torch; \
+		echo "CUDA device found: installing the default torch build and the gpu extra"; \
+		$(BIN)/python -m pip install -q torch && \
+		$(BIN)/python -m pip uninstall -q -y faiss-cpu && \
+		$(BIN)/python -m pip install -q -e '.[gpu,dev]'; \
 	else \
-		echo "no CUDA device: installing CPU $(TORCH_CPU)"; \
-		$(BIN)/python -m pip install -q $(TORCH_CPU); \
+		echo "no CUDA device: installing CPU $(TORCH_CPU) and the cpu extra"; \
+		$(BIN)/python -m pip install -q $(TORCH_CPU) && \
+		$(BIN)/python -m pip install -q -e '.[cpu,dev]'; \
 	fi
-	$(BIN)/python -m pip install -q -e '.[dev]'
 	@touch $(STAMP)
 
 install: $(STAMP)

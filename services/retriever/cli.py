@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from services.common.cli_args import add_config_args, config_from_args
@@ -28,7 +29,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     build.add_argument("--query-prefix", default="", help='e.g. "query: " for e5')
     build.add_argument("--passage-prefix", default="", help='e.g. "passage: " for e5')
     build.add_argument("--batch-size", type=int, default=64)
-    build.add_argument("--device", default="cpu", help="cpu or cuda (encoding)")
+    build.add_argument("--device", default="cpu",
+                       help="cpu, cuda or cuda:N for the encoder (the index is built on CPU); "
+                       "cuda without a CUDA torch is an error")
     build.add_argument("--hnsw-m", type=int, default=None, help="HNSW links per node (32)")
     build.add_argument("--ef-construction", type=int, default=None, help="HNSW (200)")
     build.add_argument("--ef-search", type=int, default=None, help="HNSW search breadth (128)")
@@ -49,7 +52,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--port", type=int, default=None, help="port (retriever.port, 8000)")
     serve.add_argument("--topk", type=int, default=None,
                        help="default passages per query (retriever.topk, 3)")
-    serve.add_argument("--device", default=None, help="cpu or cuda (retriever.device)")
+    serve.add_argument("--device", default=None,
+                       help="cpu, cuda (every GPU) or cuda:N: encoder and dense index; cuda "
+                       "without a CUDA torch or a GPU faiss is an error (retriever.device)")
     serve.add_argument("--max-batch", type=int, default=None,
                        help="queries per micro-batch (retriever.max_batch)")
     serve.add_argument("--max-wait-ms", type=float, default=None,
@@ -60,7 +65,14 @@ def register(parser: argparse.ArgumentParser) -> None:
 def _build(args: argparse.Namespace) -> int:
     setup_logging("retriever", level=args.log_level)
     from services.retriever.build import BuildError, CorpusError, build_index
+    from services.retriever.indexes import DeviceError
+    from services.retriever.searcher import check_device
 
+    try:  # before the corpus is read: asking for cuda and encoding on CPU is an error
+        check_device(args.device, args.index_type, index_on_device=False, key="--device")
+    except DeviceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     params = {
         key: value
         for key, value in (
@@ -98,14 +110,18 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     setup_logging("retriever", run_id=config.run_id, level=config.log_level)
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # which CPU variant it tried
     if not settings.index_dir:
         print("error: no index: give --index DIR or set retriever.index_dir", file=sys.stderr)
         return 2
+    from services.retriever.indexes import DeviceError
     from services.retriever.manifest import IndexLoadError, check_index_dir
+    from services.retriever.searcher import check_device
 
     try:
-        check_index_dir(settings.index_dir)
-    except IndexLoadError as exc:
+        manifest = check_index_dir(settings.index_dir)
+        check_device(settings.device, manifest["index_type"])
+    except (IndexLoadError, DeviceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

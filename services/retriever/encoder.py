@@ -59,6 +59,19 @@ def encoder_fingerprint(path: str) -> str:
     return digest.hexdigest()[:16]
 
 
+def torch_cuda_problem(gpu: int | None = None) -> str | None:
+    """Why the encoder cannot run on CUDA device `gpu` (None: the current one), or None."""
+    import torch
+
+    if not torch.cuda.is_available():
+        build = "a CPU build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+        return f"torch {torch.__version__} ({build}) has no CUDA device"
+    count = torch.cuda.device_count()
+    if gpu is not None and gpu >= count:
+        return f"torch sees {count} CUDA device(s), not cuda:{gpu}"
+    return None
+
+
 _MODELS: dict[tuple[str, str], object] = {}
 _MODELS_LOCK = threading.Lock()
 

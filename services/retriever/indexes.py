@@ -3,6 +3,11 @@
 Each builder reads vectors from the build's on-disk embedding matrix in chunks, so adding to
 an index never needs a second full copy in Python memory. Search returns (scores, row ids)
 with -1 rows removed by the caller (FAISS pads with -1 when fewer than k results exist).
+
+GPU: `faiss-cpu` and `faiss-gpu-cu12` both install the `faiss` module, and with both installed
+the CPU one can win; so the `cpu` and `gpu` extras each bring exactly one (pyproject.toml), and
+an index asked for on `cuda` is never quietly served from CPU: `faiss_gpu_problem` says why a
+device cannot be used, and the server refuses to start (services/retriever/searcher.py).
 """
 
 from __future__ import annotations
@@ -35,10 +40,46 @@ def default_params(index_type: str, rows: int) -> dict[str, int]:
     return {}
 
 
+class DeviceError(ValueError):
+    """A device the index or encoder cannot run on; the message says what is missing."""
+
+
+def import_faiss():
+    try:
+        import faiss
+    except ImportError:
+        raise DeviceError("faiss is not installed: install the cpu extra (faiss-cpu) or, on a "
+                          "GPU node, the gpu extra (faiss-gpu-cu12)") from None
+    return faiss
+
+
+def faiss_gpu_problem(gpu: int | None = None) -> str | None:
+    """Why this faiss cannot put an index on GPU `gpu` (None: on any GPU), or None if it can."""
+    faiss = import_faiss()
+    version = getattr(faiss, "__version__", "?")
+    count = int(faiss.get_num_gpus()) if hasattr(faiss, "get_num_gpus") else 0
+    if not hasattr(faiss, "StandardGpuResources"):
+        return (f"faiss {version} has no GPU support (the faiss-cpu build is installed; a GPU "
+                "node needs the gpu extra, which brings faiss-gpu-cu12 and no faiss-cpu)")
+    if count == 0:
+        return f"faiss {version} sees no GPU (faiss.get_num_gpus() is 0)"
+    if gpu is not None and gpu >= count:
+        return f"faiss {version} sees {count} GPU(s), not GPU {gpu}"
+    return None
+
+
+def dense_gpu_problem(index_type: str, gpu: int | None = None) -> str | None:
+    """Why an index of `index_type` cannot be served from GPU(s), or None."""
+    if index_type == "hnsw":
+        return ("faiss has no GPU implementation of HNSW: serve an hnsw index on cpu, or "
+                "build a flat or ivf index for a GPU")
+    return faiss_gpu_problem(gpu)
+
+
 def build_dense(index_type: str, vectors: np.ndarray, params: dict[str, int],
                 progress: Callable[[int], None] | None = None, seed: int = 0):
     """A FAISS inner-product index over `vectors` (rows × dim, float32, may be a memmap)."""
-    import faiss
+    faiss = import_faiss()
 
     rows, dim = vectors.shape
     if index_type == "flat":
@@ -72,26 +113,33 @@ def apply_search_params(index, index_type: str, params: dict[str, int]) -> None:
         index.nprobe = int(params["nprobe"])
 
 
-def load_dense(path: Path, index_type: str, params: dict[str, int], device: str = "cpu"):
-    """Read the FAISS file; on `cuda` with a GPU build of faiss, clone Flat to all GPUs."""
-    import faiss
+def parse_device(device: str) -> tuple[str, int | None]:
+    """"cpu" -> ("cpu", None), "cuda" -> ("cuda", None: every visible GPU), "cuda:N" -> N."""
+    kind, _, number = device.partition(":")
+    if kind == "cpu" and not number:
+        return "cpu", None
+    if kind == "cuda" and (not number or number.isdigit()):
+        return "cuda", int(number) if number else None
+    raise DeviceError(f"unknown device {device!r} (use cpu, cuda or cuda:N)")
 
+
+def load_dense(path: Path, index_type: str, params: dict[str, int], device: str = "cpu"):
+    """Read the FAISS file; on `cuda`, shard it over every visible GPU (`cuda:N`: GPU N), in
+    float16. A faiss without GPU support is a DeviceError, never a CPU fallback."""
+    kind, gpu = parse_device(device)
+    faiss = import_faiss()
+    if kind == "cuda":
+        problem = dense_gpu_problem(index_type, gpu)
+        if problem:
+            raise DeviceError(f"device {device}: {problem}")
     index = faiss.read_index(str(path))
     apply_search_params(index, index_type, params)
-    if device.startswith("cuda"):
-        gpus = faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
-        if gpus > 0:
-            options = faiss.GpuMultipleClonerOptions()
-            options.useFloat16 = True
-            options.shard = True
-            index = faiss.index_cpu_to_all_gpus(index, co=options)
-        else:
-            import logging
-
-            logging.getLogger(__name__).warning(
-                "device %s asked for but faiss has no GPUs (install the gpu extra); using CPU",
-                device,
-            )
+    if kind == "cuda":
+        options = faiss.GpuMultipleClonerOptions()
+        options.useFloat16 = True
+        options.shard = True
+        index = faiss.index_cpu_to_gpus_list(index, co=options,
+                                             gpus=None if gpu is None else [gpu])
     return index
 
 

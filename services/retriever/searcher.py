@@ -26,6 +26,31 @@ from services.retriever.manifest import IndexLoadError, check_index_dir
 Result = list[tuple[dict[str, Any], float]]
 
 
+def check_device(device: str, index_type: str | None = None, *, index_on_device: bool = True,
+                 key: str = "retriever.device") -> None:
+    """Raise DeviceError (one line, every problem named) unless `device` can run the encoder
+    (torch) and, with `index_on_device`, a dense index of `index_type` (faiss). Called at start,
+    before anything is loaded: asking for `cuda` and getting CPU is an error, not a warning.
+    A BM25 index uses neither, so only the spelling of the device is checked for it.
+    """
+    from services.retriever.encoder import torch_cuda_problem
+    from services.retriever.indexes import DeviceError, dense_gpu_problem, parse_device
+
+    try:
+        kind, gpu = parse_device(device)
+    except DeviceError as exc:
+        raise DeviceError(f"{key}: {exc}") from None
+    if kind == "cpu" or index_type == "bm25":
+        return
+    problems = [torch_cuda_problem(gpu)]
+    if index_on_device:
+        problems.append(dense_gpu_problem(index_type or "flat", gpu))
+    found = [p for p in problems if p]
+    if found:
+        raise DeviceError(f"{key} {device} cannot be used: " + "; ".join(found)
+                          + ". Fix the install (docs/retriever.md, GPU) or use cpu.")
+
+
 class Searcher:
     def __init__(self, manifest: dict[str, Any], docstore: DocStore, index: Any,
                  encoder: Any = None) -> None:
