@@ -13,6 +13,7 @@ value (number, None, or a map of numbers) or a status.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import importlib
 import logging
@@ -114,6 +115,16 @@ def _plain(value: Any) -> Any:
 # ---------------------------------------------------------------- parent side
 
 
+def _unpackable(job: Job) -> str | None:
+    """Why a job cannot cross the pipe (an integer of 2^64 or more, a lone surrogate, an
+    object msgpack does not know), or None."""
+    try:
+        msgpack.packb([0, job.ref, list(job.args), job.kwargs or {}], use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        return f"cannot send the item to a reward worker: {type(exc).__name__}: {exc}"
+    return None
+
+
 class _Worker:
     def __init__(self, ctx: Any, preload: list[str]) -> None:
         parent, child = ctx.Pipe(duplex=True)
@@ -193,7 +204,7 @@ class RewardPool:
         return [w.process.pid for w in self._workers if w.process.pid is not None]
 
     def _await_ready(self, worker: _Worker, timeout: float) -> bool:
-        if timeout <= 0 or not worker.conn.poll(timeout):
+        if not worker.conn.poll(max(0.0, timeout)):
             if not worker.process.is_alive():
                 raise PoolError(f"reward worker exited with {worker.process.exitcode} at start")
             return False
@@ -220,19 +231,41 @@ class RewardPool:
         with self._lock:
             if not self._workers:
                 self.start()
-            return self._run(jobs)
+            try:
+                return self._run(jobs)
+            except BaseException:
+                # Whatever failed, no worker may keep jobs of this run: their late results
+                # would be read as the next run's. Busy workers are replaced.
+                for worker in list(self._workers):
+                    if worker.inflight:
+                        worker.inflight.clear()
+                        self._replace(worker)
+                raise
 
     def _run(self, jobs: list[Job]) -> list[JobResult]:
         results: list[JobResult | None] = [None] * len(jobs)
-        pending: collections.deque[int] = collections.deque(range(len(jobs)))
-        remaining = len(jobs)
+        pending: collections.deque[int] = collections.deque()
+        for index, job in enumerate(jobs):
+            problem = _unpackable(job)
+            if problem is None:
+                pending.append(index)
+            else:  # rejected alone, before any worker holds it
+                results[index] = JobResult(STATUS_ERROR, error=problem)
+        remaining = len(pending)
         while remaining:
             now = time.monotonic()
             for worker in list(self._workers):
                 if not worker.ready:
-                    if now - worker.started_at > self.start_timeout_s:
-                        raise PoolError("a replacement reward worker did not start in time")
-                    continue
+                    # A replacement's "ready" may have waited in the pipe since an earlier run.
+                    try:
+                        ready = self._await_ready(worker, 0.0)
+                    except PoolError:
+                        self._replace(worker)
+                        continue
+                    if not ready:
+                        if now - worker.started_at > self.start_timeout_s:
+                            raise PoolError("a replacement reward worker did not start in time")
+                        continue
                 if not worker.inflight and pending:
                     self._send_chunk(worker, jobs, pending)
             waiting = {w.conn: w for w in self._workers if w.inflight or not w.ready}
@@ -301,3 +334,31 @@ class RewardPool:
             worker.last_progress = time.monotonic()
             done += 1
         return done
+
+
+# ---------------------------------------------------------------- shared pool
+
+_shared: RewardPool | None = None
+_shared_lock = threading.Lock()
+
+
+class RewardFailed(RuntimeError):
+    """A reward function raised in a pool worker; the message names it and the error."""
+
+
+def shared_pool(num_workers: int = 2, timeout_s: float = 5.0) -> RewardPool:
+    """The process's pool for isolated rewards (math_verify) called off the main thread:
+    `compute_score` from a verl-style threaded or asyncio reward manager, `Scorer` without its
+    own pool. Started on first use (the arguments count then only), closed at exit."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            pool = RewardPool(num_workers=num_workers, timeout_s=timeout_s).start()
+            atexit.register(pool.close)
+            _shared = pool
+        return _shared
+
+
+def on_main_thread() -> bool:
+    """math_verify's SIGALRM limits work only here; elsewhere isolated rewards use a pool."""
+    return threading.current_thread() is threading.main_thread()

@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.scorer import metrics
-from services.scorer.pool import STATUS_OK, STATUS_TIMEOUT, Job, RewardPool
+from services.scorer.pool import (
+    STATUS_OK,
+    STATUS_TIMEOUT,
+    Job,
+    RewardPool,
+    on_main_thread,
+    shared_pool,
+)
 from services.scorer.rewards import RewardTimeout
 from services.scorer.rewards.registry import Component, RewardTable, combine
 
@@ -86,6 +93,12 @@ class Scorer:
                 plans.append(None)
                 result.error = str(exc)
         values: list[list[Any]] = [[None] * len(p) if p else [] for p in plans]
+        # Without a pool of its own, isolated rewards still run in a pool off the main thread
+        # (math_verify's SIGALRM limits need the main thread): the shared one.
+        pool = self.pool
+        if pool is None and not on_main_thread() and any(
+                c.function.isolated for plan in plans for c in plan or []):
+            pool = shared_pool()
         jobs: list[Job] = []
         job_slots: list[tuple[int, int]] = []
         for i, (request, plan) in enumerate(zip(requests, plans, strict=True)):
@@ -93,14 +106,14 @@ class Scorer:
                 args = (request.data_source, request.solution_str, request.ground_truth,
                         request.extra_info)
                 options = self._options(component, request.for_probe)
-                if component.function.isolated and self.pool is not None:
+                if component.function.isolated and pool is not None:
                     jobs.append(Job(component.function.ref, args, options))
                     job_slots.append((i, j))
                     continue
                 values[i][j] = self._call_here(component, args, options, results[i])
         if jobs:
-            assert self.pool is not None
-            for (i, j), outcome in zip(job_slots, self.pool.run(jobs), strict=True):
+            assert pool is not None
+            for (i, j), outcome in zip(job_slots, pool.run(jobs), strict=True):
                 component = (plans[i] or [])[j]
                 if outcome.status == STATUS_OK:
                     values[i][j] = outcome.value

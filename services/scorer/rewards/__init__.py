@@ -1,8 +1,11 @@
 """Reward library: `compute_score(data_source, solution_str, ground_truth, extra_info=None)`
 with verl's signature (DESIGN.md 9), so reward functions written for verl plug in.
 
-This entry point runs in the calling process. The scorer service scores through
-services.scorer.scoring.Scorer instead, which sends math_verify to a worker-process pool.
+This entry point runs in the calling process, from any thread: math_verify (and any reward
+marked `isolated`) runs here on the main thread, and in a shared worker-process pool
+(services.scorer.pool.shared_pool) on any other thread, since its SIGALRM limits work only on
+the main thread. The scorer service scores through services.scorer.scoring.Scorer instead,
+which sends isolated rewards to its own pool.
 """
 
 from __future__ import annotations
@@ -44,17 +47,39 @@ def default_table() -> RewardTable:
 
 def call_component(component: Component, data_source: str, solution_str: str,
                    ground_truth: Any, extra_info: dict | None, for_probe: bool = False) -> Any:
-    """Call one reward function in this process; a timeout scores 0 and is counted."""
-    from services.scorer import metrics
+    """Call one reward function; a timeout scores 0 and is counted, an error raises.
 
+    An isolated function called off the main thread runs in the shared process pool (bounded
+    by its wall-clock limit, killable), so the caller's threading never changes the score."""
+    from services.scorer import metrics
+    from services.scorer.pool import on_main_thread
+
+    options = component.call_options(for_probe)
+    args = (data_source, solution_str, ground_truth, extra_info)
+    if component.function.isolated and not on_main_thread():
+        return _call_in_pool(component, args, options)
     function = component.function.load()
     try:
-        return function(data_source, solution_str, ground_truth, extra_info,
-                        **component.call_options(for_probe))
+        return function(*args, **options)
     except RewardTimeout as exc:
         metrics.TIMEOUTS.labels(component.name).inc()
         log.warning("%s timed out (%s): scored 0", component.name, exc)
         return 0.0
+
+
+def _call_in_pool(component: Component, args: tuple, options: dict[str, Any]) -> Any:
+    from services.scorer import metrics
+    from services.scorer.pool import STATUS_OK, STATUS_TIMEOUT, Job, RewardFailed, shared_pool
+
+    outcome = shared_pool().run([Job(component.function.ref, args, options)])[0]
+    if outcome.status == STATUS_OK:
+        return outcome.value
+    if outcome.status == STATUS_TIMEOUT:
+        metrics.TIMEOUTS.labels(component.name).inc()
+        log.warning("%s timed out (%s): scored 0", component.name, outcome.error)
+        return 0.0
+    metrics.ERRORS.labels(component.name).inc()
+    raise RewardFailed(f"{component.name}: {outcome.error}")
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: Any,
