@@ -63,7 +63,12 @@ from services.learner.checkpoint import (
 )
 from services.learner.loop_state import GroupLedger
 from services.learner.packing import Sample
-from services.learner.prompts import PromptSource, group_from_row, load_dataset
+from services.learner.prompts import (
+    PromptSource,
+    check_dataset_sources,
+    group_from_row,
+    load_dataset,
+)
 from services.learner.rl_batch import assign_advantages, check_estimator, samples_of
 
 log = logging.getLogger("forage.learner.loop")
@@ -141,6 +146,7 @@ class LearnerLoop:
         learner = cfg.learner
         check_estimator(learner.adv_estimator)
         check_inputs(cfg)  # every input path, before the model is loaded
+        check_dataset_sources(cfg)  # every data_source has a reward function
         self.cfg = cfg
         self.learner = learner
         self.resume = resume

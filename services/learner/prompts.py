@@ -90,6 +90,16 @@ class PromptSource:
         self._order = epoch_order(len(self.rows), self.seed, self.epoch, self.shuffle)
 
 
+def check_dataset_sources(cfg: Any) -> set[str]:
+    """Fail at start-up when a train or test file holds a `data_source` that no reward function
+    handles (built in, or added by `scorer.rewards`): the scorer would dead-letter every such
+    trajectory and the run would only time out. Reads just that column of each file; the list
+    of known sources comes from services.common, never from the scorer."""
+    from services.tasks.datasets import check_file_sources
+
+    return check_file_sources([*cfg.data.train_files, *cfg.data.test_files], cfg.scorer.rewards)
+
+
 def load_dataset(files: Iterable[str], limit: int | None = None) -> list[dict[str, Any]]:
     """Rows of every RL parquet in `files`, checked (DatasetError names file, row and column)."""
     from services.tasks.datasets import load_rows

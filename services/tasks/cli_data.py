@@ -39,18 +39,23 @@ def register(parser: argparse.ArgumentParser) -> None:
         gen.add_argument("--split", default="train")
         gen.set_defaults(handler=_generate, task=name)
 
-    conv = sub.add_parser("convert", help="FlashRAG / GSM8K jsonl -> Search-R1 / verl parquet")
+    conv = sub.add_parser("convert", help="FlashRAG / GSM8K (jsonl or parquet) -> Search-R1 / "
+                                           "verl parquet")
     conv.add_argument("--format", dest="fmt", choices=["flashrag", "gsm8k"], required=True)
-    conv.add_argument("--input", required=True, help="jsonl file")
+    conv.add_argument("--input", required=True, help="JSON Lines file, or parquet (*.parquet)")
     conv.add_argument("--out", required=True, help="output parquet file")
     conv.add_argument("--data-source", default=None,
-                      help="data_source column (flashrag: file stem; gsm8k: openai/gsm8k)")
-    conv.add_argument("--split", default="train")
+                      help="data_source column (flashrag: the dataset, i.e. the folder of "
+                           "nq/train.jsonl or the stem of nq.jsonl; gsm8k: openai/gsm8k)")
+    conv.add_argument("--split", default=None,
+                      help="extra_info.split (default: the file name when it is a split, "
+                           "e.g. test.jsonl, else train)")
     conv.set_defaults(handler=_convert)
 
     check = sub.add_parser("check", help="validate a parquet the learner will read")
     check.add_argument("path")
     check.add_argument("--kind", choices=["rl", "sft"], default="rl")
+    add_config_args(check, required=False)  # scorer.rewards may add data sources
     check.set_defaults(handler=_check)
 
 
@@ -89,26 +94,37 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
+    from services.common.data_sources import known_data_sources
     from services.tasks.convert import convert
-    from services.tasks.datasets import DatasetError
+    from services.tasks.datasets import DatasetError, data_sources_of
 
     try:
         path = convert(args.fmt, args.input, args.out, args.data_source, args.split)
     except (DatasetError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {path}")
+    sources = sorted(data_sources_of(path))
+    print(f"wrote {path} (data_source: {', '.join(sources)})")
+    unknown = [s for s in sources if s not in known_data_sources()]
+    if unknown:
+        print(f"warning: no built-in reward function for data_source {', '.join(unknown)}: add "
+              f"it under scorer.rewards in the run config, or convert with --data-source NAME",
+              file=sys.stderr)
     return 0
 
 
 def _check(args: argparse.Namespace) -> int:
+    from services.common.data_sources import UnknownDataSourceError, check_data_sources
     from services.tasks.datasets import DatasetError, load_rows
 
+    cfg = config_from_args(args)
     try:
         rows = load_rows(args.path, kind=args.kind)
-    except DatasetError as exc:
+        sources = sorted({str(r.get("data_source", "")) for r in rows})
+        if args.kind == "rl":
+            check_data_sources(sources, cfg.scorer.rewards, where=args.path)
+    except (DatasetError, UnknownDataSourceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    sources = sorted({str(r.get("data_source", "")) for r in rows})
     print(f"{args.path}: {len(rows)} valid {args.kind} rows; data sources: {', '.join(sources)}")
     return 0

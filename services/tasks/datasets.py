@@ -157,3 +157,62 @@ def iter_jsonl(path: str | os.PathLike[str]) -> Iterable[tuple[int, dict[str, An
             if not isinstance(value, dict):
                 raise DatasetError(f"{path} line {number}: expected a JSON object")
             yield number, value
+
+
+def iter_records(path: str | os.PathLike[str]) -> Iterable[tuple[str, dict[str, Any]]]:
+    """("line N" / "row N", record) from JSON Lines, or from parquet when the name ends in
+    `.parquet` (FlashRAG and GSM8K are published in both)."""
+    source = Path(path)
+    if not source.is_file():
+        raise DatasetError(f"{source}: no such file")
+    if source.suffix.lower() != ".parquet":
+        for number, record in iter_jsonl(source):
+            yield f"line {number}", record
+        return
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(str(source))
+    except Exception as exc:  # pyarrow raises several types for a non-parquet file
+        raise DatasetError(f"{source}: not a readable parquet file ({exc})") from None
+    index = 0
+    for batch in parquet.iter_batches(batch_size=4096):
+        for record in batch.to_pylist():
+            yield f"row {index}", record
+            index += 1
+
+
+def data_sources_of(path: str | os.PathLike[str]) -> set[str]:
+    """The distinct `data_source` values of an RL parquet, reading only that column."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    source = Path(path)
+    if not source.is_file():
+        raise DatasetError(f"{source}: no such file")
+    try:
+        table = pq.read_table(str(source), columns=["data_source"])
+    except KeyError:
+        raise DatasetError(f"{source}: missing column 'data_source'") from None
+    except Exception as exc:  # not parquet, or no such column (pyarrow's several error types)
+        if "data_source" in str(exc):
+            raise DatasetError(f"{source}: missing column 'data_source'") from None
+        raise DatasetError(f"{source}: not a readable parquet file ({exc})") from None
+    return {str(v) for v in pc.unique(table.column("data_source")).to_pylist() if v is not None}
+
+
+def check_file_sources(
+    paths: Iterable[str | os.PathLike[str]], rewards: Mapping[str, Any] | None = None
+) -> set[str]:
+    """The data sources of RL parquet files, checked before anything runs: each must have a
+    reward function (built in, or added by the run's `scorer.rewards`). Raises
+    UnknownDataSourceError (a ValueError) naming the file, the unknown sources and the known
+    ones; the scorer would otherwise dead-letter every such trajectory."""
+    from services.common.data_sources import check_data_sources
+
+    found: set[str] = set()
+    for path in paths:
+        sources = data_sources_of(path)
+        check_data_sources(sources, rewards, where=str(path))
+        found |= sources
+    return found

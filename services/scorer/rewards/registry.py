@@ -15,15 +15,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-FUNCTIONS_MODULE = "services.scorer.rewards.functions"
+from services.common.data_sources import BUILTIN_DATA_SOURCES
 
-SEARCH_R1_QA = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
-SYNTHETIC_QA = ("synth_single", "synth_multihop")
-MATH_SOURCES = (
-    "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500",
-    "math", "math_dapo", "aime24", "aime25", "aime2024", "aime2025", "amc23", "synth_math",
-)
-GSM8K_SOURCES = ("openai/gsm8k", "gsm8k")
+FUNCTIONS_MODULE = "services.scorer.rewards.functions"
 
 
 class UnknownDataSource(KeyError):
@@ -74,22 +68,9 @@ BUILTIN_FUNCTIONS: dict[str, RewardFunction] = {
 }
 
 
-def _default_sources() -> dict[str, str]:
-    table: dict[str, str] = {}
-    for name in SEARCH_R1_QA:
-        table[name] = "qa_em"
-        table[f"searchR1_{name}"] = "qa_em"
-    for name in SYNTHETIC_QA:
-        table[name] = "qa_em"
-    for name in MATH_SOURCES:
-        table[name] = "math_verify"
-    for name in GSM8K_SOURCES:
-        table[name] = "gsm8k"
-    table["countdown"] = "countdown"
-    return table
-
-
-DEFAULT_DATA_SOURCES: dict[str, str] = _default_sources()
+# The table of built-in sources lives in services.common.data_sources, so that `forage data
+# check` and the learner can reject a dataset this registry cannot score without importing it.
+DEFAULT_DATA_SOURCES: dict[str, str] = dict(BUILTIN_DATA_SOURCES)
 
 
 def load_ref(ref: str) -> Callable[..., Any]:
