@@ -209,3 +209,56 @@ def test_one_rank_failing_to_stage_leaves_every_rank_on_old_weights(tiny_policy_
     staged = rpc.collective_rpc(call.method, args=call.args)
     assert [a["ok"] for a in staged] == [True, False] and len(rank_failures(staged)) == 1
     assert failure_reason(staged) == "unavailable"
+
+
+def _worker(tiny_policy_dir, srv, engine, token=None):
+    from services.common.config import load_config
+    from services.rollout.worker import RolloutWorker
+
+    host, port = srv.address.rsplit(":", 1)
+    overrides = [f"model.path={tiny_policy_dir}", "rollout.engine=vllm",
+                 "rollout.use_search=false", f"learner.weight_sync_host={host}",
+                 f"learner.weight_sync_port={port}"]
+    if token:
+        overrides.append(f"learner.weight_sync_token={token}")
+    return RolloutWorker(load_config(overrides=overrides), engine=engine)
+
+
+def test_rollout_worker_updates_a_vllm_engine_through_its_workers(tiny_policy_dir, published,
+                                                                  server):
+    """The service's poll: GetVersion in the replica, the fetch in the engine's workers."""
+    state, expected = published
+    server.publish(state, 4)
+    model = load_policy(tiny_policy_dir)
+    engine = VLLMEngine(CollectiveRpc([Rank(model, 0)]), tokenizer=None, max_batch_size=4)
+    worker = _worker(tiny_policy_dir, server, engine, TOKEN)
+    try:
+        assert worker._poll_weights(force=True) is True
+        assert engine.policy_version == 4 and torch.equal(logits(model), expected)
+        assert worker._poll_weights(force=True) is False  # nothing newer
+    finally:
+        worker.loop.close()
+        worker._client().close()
+
+
+def test_rollout_worker_keeps_serving_old_weights_after_a_corrupt_transfer(tiny_policy_dir,
+                                                                           published):
+    from prometheus_client import REGISTRY
+
+    state, _ = published
+    srv = CorruptingServer(chunk_bytes=64 << 10).start()
+    model = load_policy(tiny_policy_dir)
+    before = logits(model)
+    engine = VLLMEngine(CollectiveRpc([Rank(model, 0)]), tokenizer=None, max_batch_size=4)
+    worker = _worker(tiny_policy_dir, srv, engine)
+    name = "forage_rollout_weight_sync_failures_total"
+    try:
+        srv.publish(state, 2)
+        failures = REGISTRY.get_sample_value(name) or 0.0
+        assert worker._poll_weights(force=True) is False
+        assert REGISTRY.get_sample_value(name) == failures + 1
+        assert engine.policy_version == 0 and torch.equal(logits(model), before)
+    finally:
+        worker.loop.close()
+        worker._client().close()
+        srv.stop(0)
