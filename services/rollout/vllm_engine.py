@@ -100,17 +100,19 @@ def reset_prefix_cache(reset: Callable[..., bool], attempts: int = RESET_ATTEMPT
 
     `reset` is vLLM's `LLMEngine.reset_prefix_cache`. It is asked to preempt running requests
     too: without that, vLLM refuses (returns False) whenever a request holds blocks, which is
-    always the case between two steps of a busy engine. vLLM raises RuntimeError when even
-    that cannot free the blocks (remote KV transfers in flight). Each failed attempt is
-    counted in `forage_rollout_prefix_cache_reset_failures_total`.
+    always the case between two steps of a busy engine. vLLM's scheduler raises RuntimeError
+    when even that cannot free the blocks (remote KV transfers in flight); through the
+    multiprocess engine client a utility call's failure arrives as a plain `Exception` with
+    that message. Each failed attempt is counted in
+    `forage_rollout_prefix_cache_reset_failures_total`.
     """
     for attempt in range(1, attempts + 1):
         try:
             if reset(reset_running_requests=True):
                 return True
             problem = "vLLM returned False"
-        except RuntimeError as exc:
-            problem = str(exc)
+        except Exception as exc:  # noqa: BLE001 - vLLM's MP client raises bare Exception
+            problem = f"{type(exc).__name__}: {exc}"
         metrics.PREFIX_CACHE_RESET_FAILURES.inc()
         log.warning("prefix cache reset attempt %d/%d failed: %s", attempt, attempts, problem)
     return False

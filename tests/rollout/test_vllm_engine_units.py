@@ -99,10 +99,11 @@ class SchedulerPrefixCache:
     cannot run here. Without `reset_running_requests` it resets only when no running request
     holds blocks and returns whether it did. With it, running requests are first preempted
     (moved back to waiting, their blocks freed); if blocks still cannot be freed (remote KV
-    transfers in flight, `stuck` attempts here) vLLM raises RuntimeError."""
+    transfers in flight, `stuck` attempts here) the scheduler raises RuntimeError, which the
+    multiprocess client (SyncMPClient.call_utility) re-raises as `Exception(message)`."""
 
-    def __init__(self, running: int, stuck: int = 0) -> None:
-        self.running, self.waiting, self.stuck = running, 0, stuck
+    def __init__(self, running: int, stuck: int = 0, error: type = Exception) -> None:
+        self.running, self.waiting, self.stuck, self.error = running, 0, stuck, error
         self.cached_blocks = {"prefix-a", "prefix-b"}
 
     def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
@@ -110,8 +111,8 @@ class SchedulerPrefixCache:
             self.waiting, self.running = self.waiting + self.running, 0
             if self.stuck:
                 self.stuck -= 1
-                raise RuntimeError("Failed to reset KV cache even when all the running "
-                                   "requests are preempted and moved to the waiting queue.")
+                raise self.error("Failed to reset KV cache even when all the running "
+                                 "requests are preempted and moved to the waiting queue.")
         if self.running:
             return False
         self.cached_blocks.clear()
@@ -130,12 +131,13 @@ def test_reset_takes_effect_while_requests_run():
     assert cache.cached_blocks == set() and cache.waiting == 3 and failures() == before
 
 
-def test_reset_retries_and_counts_failures():
-    cache = SchedulerPrefixCache(running=2, stuck=2)
+@pytest.mark.parametrize("error", [Exception, RuntimeError], ids=["mp-client", "in-process"])
+def test_reset_retries_and_counts_failures(error):
+    cache = SchedulerPrefixCache(running=2, stuck=2, error=error)
     before = failures()
     assert reset_prefix_cache(cache.reset_prefix_cache) is True
     assert failures() == before + 2 and cache.cached_blocks == set()
-    hopeless = SchedulerPrefixCache(running=1, stuck=RESET_ATTEMPTS + 1)
+    hopeless = SchedulerPrefixCache(running=1, stuck=RESET_ATTEMPTS + 1, error=error)
     assert reset_prefix_cache(hopeless.reset_prefix_cache) is False
     assert failures() == before + 2 + RESET_ATTEMPTS and hopeless.cached_blocks
 
