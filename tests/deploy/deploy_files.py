@@ -1,0 +1,307 @@
+"""Reading the shipped deploy files as Docker Compose and kustomize read them (test helper).
+
+- Compose: YAML with `!override` / `!reset`, `${VAR:-default}` interpolation, and the merge of
+  several `-f` files (compose-go's rules for what this project uses: maps merge, `command`,
+  `entrypoint` and `healthcheck.test` are replaced, other lists are appended, volumes are unique
+  by target), then the compose-spec JSON schema (vendored by check-jsonschema).
+- Kustomize: `kubectl kustomize` where kubectl is installed; otherwise `render_kustomization`,
+  which implements the subset these manifests use (resources, namespace, configMapGenerator with
+  kustomize's name hash and name references). The tests check both agree where kubectl exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = REPO / "docker-compose.yml"
+LAYOUTS = {n: REPO / "deploy" / "compose" / f"gpus-{n}.yml" for n in (1, 2, 8)}
+K8S_ROOT = REPO  # kustomization.yaml at the repository root (configMapGenerator + deploy/k8s)
+K8S_VERSION = "1.32.0"
+
+
+# ------------------------------------------------------------------ compose
+
+class Override:
+    """`!override value`: replaces what the earlier files had."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class Reset:
+    """`!reset ...`: removes the key."""
+
+
+class _ComposeLoader(yaml.SafeLoader):
+    pass
+
+
+def _construct_any(loader: yaml.Loader, node: yaml.Node) -> Any:
+    if isinstance(node, yaml.MappingNode):
+        return loader.construct_mapping(node, deep=True)
+    if isinstance(node, yaml.SequenceNode):
+        return loader.construct_sequence(node, deep=True)
+    return loader.construct_scalar(node)
+
+
+_ComposeLoader.add_constructor("!override", lambda ld, n: Override(_construct_any(ld, n)))
+_ComposeLoader.add_constructor("!reset", lambda ld, n: Reset())
+
+
+def load_compose_file(path: Path) -> dict[str, Any]:
+    return yaml.load(path.read_text(), Loader=_ComposeLoader)  # noqa: S506 (SafeLoader subclass)
+
+
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def interpolate(value: Any, env: dict[str, str]) -> Any:
+    """Compose's `${VAR}`, `${VAR:-default}`, `${VAR-default}`, `$VAR` and `$$`."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if isinstance(value, Override):
+        return Override(interpolate(value.value, env))
+    if not isinstance(value, str):
+        return value
+
+    def sub(match: re.Match) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name = match.group(1) or match.group(4)
+        op, default = match.group(2), match.group(3)
+        current = env.get(name)
+        if op == ":-" and not current:
+            return default
+        if op == "-" and current is None:
+            return default
+        return current or ""
+
+    return _VAR.sub(sub, value)
+
+
+def _replaced(path: tuple[str, ...]) -> bool:
+    """Lists compose replaces instead of appending to."""
+    service_level = len(path) == 3 and path[0] == "services"
+    return (service_level and path[2] in ("command", "entrypoint")) or path[-2:] == (
+        "healthcheck", "test")
+
+
+def _volume_target(entry: Any) -> Any:
+    if isinstance(entry, dict):
+        return entry.get("target")
+    parts = str(entry).split(":")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _merge(base: Any, over: Any, path: tuple[str, ...]) -> Any:
+    if isinstance(over, Override):
+        return over.value
+    if isinstance(base, dict) and isinstance(over, dict):
+        out = dict(base)
+        for key, value in over.items():
+            if isinstance(value, Reset):
+                out.pop(key, None)
+            elif key in out:
+                out[key] = _merge(out[key], value, path + (key,))
+            else:
+                out[key] = value.value if isinstance(value, Override) else value
+        return out
+    if isinstance(base, list) and isinstance(over, list):
+        if _replaced(path):
+            return over
+        if path[-1] == "volumes":
+            targets = {_volume_target(v) for v in over}
+            return [v for v in base if _volume_target(v) not in targets] + over
+        return base + [v for v in over if v not in base]
+    return over
+
+
+def compose_model(*files: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The merged model of `docker compose -f A -f B ...` (interpolated, tags resolved)."""
+    env = dict(os.environ if env is None else env)
+    model: dict[str, Any] = {}
+    for file in files or (COMPOSE_FILE,):
+        model = _merge(model, interpolate(load_compose_file(file), env), ())
+    return model
+
+
+def compose_schema() -> dict[str, Any]:
+    text = (resources.files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json")
+    return json.loads(text.read_text())
+
+
+def schema_errors(document: Any, schema: dict[str, Any]) -> list[str]:
+    import jsonschema
+
+    cls = jsonschema.validators.validator_for(schema)
+    validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
+    return [
+        f"{'/'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
+        for e in sorted(validator.iter_errors(document), key=lambda e: list(e.absolute_path))
+    ]
+
+
+def device_ids(service: dict[str, Any]) -> list[str]:
+    """GPU ids a service reserves (deploy.resources.reservations.devices)."""
+    devices = (service.get("deploy") or {}).get("resources", {}).get("reservations", {})
+    ids: list[str] = []
+    for request in devices.get("devices", []) or []:
+        if "gpu" in request.get("capabilities", []):
+            ids.extend(str(i) for i in request.get("device_ids", []))
+    return ids
+
+
+def gpu_requests(service: dict[str, Any]) -> list[dict[str, Any]]:
+    devices = (service.get("deploy") or {}).get("resources", {}).get("reservations", {})
+    return [r for r in devices.get("devices", []) or [] if "gpu" in r.get("capabilities", [])]
+
+
+def image_entrypoint(target: str) -> list[str]:
+    """ENTRYPOINT of a stage of deploy/Dockerfile (JSON form)."""
+    stage = None
+    entry: dict[str, list[str]] = {}
+    for line in (REPO / "deploy" / "Dockerfile").read_text().splitlines():
+        if line.startswith("FROM "):
+            stage = line.split()[-1] if " AS " in line else None
+        elif line.startswith("ENTRYPOINT ") and stage:
+            entry[stage] = json.loads(line.split(" ", 1)[1])
+    return entry[target]
+
+
+def image_env(target: str) -> dict[str, str]:
+    """ENV of a stage of deploy/Dockerfile (`ENV k=v k=v \\` lines; PATH left out)."""
+    text = (REPO / "deploy" / "Dockerfile").read_text().replace("\\\n", " ")
+    stage, env = None, {}
+    for line in text.splitlines():
+        if line.startswith("FROM "):
+            stage = line.split()[-1] if " AS " in line else None
+        elif line.startswith("ENV ") and stage == target:
+            for pair in line.split()[1:]:
+                key, _, value = pair.partition("=")
+                if key != "PATH":
+                    env[key] = value
+    return env
+
+
+# ------------------------------------------------------------------ kustomize
+
+def _load_docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+_ALPHA = {"0": "g", "1": "h", "3": "k", "a": "m", "e": "t"}
+
+
+def configmap_hash(name: str, data: dict[str, str]) -> str:
+    """kustomize's name suffix: sha256 of the JSON of {kind, name, data}, 10 hex digits with
+    vowel-free substitutions (api/hasher). Go's json.Marshal sorts keys and escapes <, >, &.
+    The generator hashes before it names the object, so `name` is empty in the JSON (checked
+    against kubectl kustomize v5.5: `x` with a=b is x-4h2mbtbbt6)."""
+    encoded = json.dumps({"data": data, "kind": "ConfigMap", "name": ""}, sort_keys=True,
+                         separators=(",", ":"), ensure_ascii=False)
+    for char, escape in (("&", "\\u0026"), ("<", "\\u003c"), (">", "\\u003e"),
+                         ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
+        encoded = encoded.replace(char, escape)
+    digest = hashlib.sha256(encoded.encode()).hexdigest()[:10]
+    return "".join(_ALPHA.get(c, c) for c in digest)
+
+
+_CLUSTER_SCOPED = {"Namespace", "PersistentVolume", "ClusterRole", "ClusterRoleBinding",
+                   "StorageClass", "CustomResourceDefinition"}
+
+
+def render_kustomization(directory: Path, _root: Path | None = None) -> list[dict[str, Any]]:
+    """kustomize build, for the features these manifests use."""
+    root = (_root or directory).resolve()
+    spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    objects: list[dict[str, Any]] = []
+    for entry in spec.get("resources", []):
+        path = (directory / entry).resolve()
+        if path.is_dir():
+            objects.extend(render_kustomization(path))
+        else:
+            if not path.is_relative_to(directory.resolve()):
+                raise ValueError(f"{entry}: file outside the kustomization directory")
+            objects.extend(_load_docs(path))
+    renamed: dict[str, str] = {}
+    for generator in spec.get("configMapGenerator", []):
+        data = {}
+        for item in generator.get("files", []):
+            key, _, source = item.rpartition("=") if "=" in item else ("", "", item)
+            file = (directory / source).resolve()
+            if not file.is_relative_to(root):
+                raise ValueError(f"{source}: outside {root} (kustomize's load restrictor)")
+            data[key or file.name] = file.read_text()
+        name = generator["name"]
+        full = f"{name}-{configmap_hash(name, data)}"
+        renamed[name] = full
+        labels = (generator.get("options") or {}).get("labels") or {}
+        meta: dict[str, Any] = {"name": full}
+        if labels:
+            meta["labels"] = dict(labels)
+        objects.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data})
+    namespace = spec.get("namespace")
+    for obj in objects:
+        if namespace and obj["kind"] not in _CLUSTER_SCOPED:
+            obj["metadata"]["namespace"] = namespace
+        for pod in _pod_specs(obj):
+            for volume in pod.get("volumes", []):
+                cm = volume.get("configMap")
+                if cm and cm.get("name") in renamed:
+                    cm["name"] = renamed[cm["name"]]
+    return objects
+
+
+def _pod_specs(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    if obj["kind"] == "Pod":
+        return [obj["spec"]]
+    template = (obj.get("spec") or {}).get("template")
+    return [template["spec"]] if template else []
+
+
+def kubectl() -> str | None:
+    return shutil.which("kubectl")
+
+
+def kubectl_kustomize(directory: Path) -> list[dict[str, Any]]:
+    out = subprocess.run([kubectl(), "kustomize", str(directory)], capture_output=True,
+                         text=True, timeout=120)
+    if out.returncode != 0:
+        raise RuntimeError(f"kubectl kustomize {directory}: {out.stderr.strip()}")
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def render(directory: Path = K8S_ROOT) -> list[dict[str, Any]]:
+    """The objects `kubectl apply -k DIRECTORY` would create."""
+    return kubectl_kustomize(directory) if kubectl() else render_kustomization(directory)
+
+
+def k8s_errors(objects: list[dict[str, Any]], version: str = K8S_VERSION) -> list[str]:
+    """Strict Kubernetes schema validation (unknown fields are errors), one line per problem."""
+    import kubernetes_validate
+
+    errors = []
+    for obj in objects:
+        where = f"{obj.get('kind')}/{(obj.get('metadata') or {}).get('name')}"
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            errors.append(f"{where}: {'/'.join(str(p) for p in exc.path)}: {exc.message}")
+    return errors
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
