@@ -221,6 +221,20 @@ class VLLMEngine:
         return cls(llm_engine, llm_engine.get_tokenizer(), int(engine_kwargs["max_num_seqs"]),
                    prefix_caching=bool(engine_kwargs.get("enable_prefix_caching", True)))
 
+    @classmethod
+    def from_pretrained(cls, path: str, tokenizer_path: str | None = None,
+                        max_batch_size: int = 256, seed: int = 0,
+                        **rollout_keys: Any) -> VLLMEngine:
+        """Python use and tests: the EngineArgs a config with these `rollout.*` keys gives."""
+        from services.common.config.model import ModelSection
+        from services.common.config.rollout import RolloutSection
+        from services.rollout.engines import vllm_engine_kwargs
+
+        rollout = RolloutSection(engine="vllm", max_batch_size=max_batch_size, seed=seed,
+                                 **rollout_keys)
+        model = ModelSection(path=str(path), tokenizer_path=tokenizer_path)
+        return cls.from_engine_kwargs(vllm_engine_kwargs(rollout, model))
+
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request: GenerationRequest) -> None:
