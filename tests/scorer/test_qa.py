@@ -101,6 +101,7 @@ def test_qa_em_format_table(response, expected):
 
 def test_is_valid_sequence():
     assert qa.is_valid_sequence(VALID.format("x"))
-    assert qa.is_valid_sequence("<think>a</think><answer>x</answer> trailing words")
+    assert not qa.is_valid_sequence("<think>a</think><answer>x</answer> trailing words")
+    assert qa.is_valid_sequence("<think>a</think><answer>x</answer>\n\n")
     assert not qa.is_valid_sequence("<think>a</think><search>q</search><answer>x</answer>")
     assert not qa.is_valid_sequence("<think>a<answer>x</answer>")

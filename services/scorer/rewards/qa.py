@@ -1,16 +1,26 @@
 """Search-R1 QA rewards: exact match, substring match, token F1, and the format-aware variant.
 
 All take the decoded response and a ground truth in any shape `gold_answers` accepts. The
-format-aware variant reproduces Search-R1 v0.3's `qa_em_format` scoring table; its constants are
+format-aware variant follows Search-R1 v0.3's `qa_em_format` scoring table; its constants are
 options (structure 0.2 / final 0.1 / retrieval 0 in their scripts, all 0 for validation).
+`mode="search_r1"` reproduces Search-R1's function case for case, its bugs included;
+the default fixes those (docs/scorer.md lists every difference).
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter
+from typing import Literal
 
-from services.scorer.rewards.text import gold_answers, last_answer, normalize_answer, response_part
+from services.common.formats import SEARCH_R1_TEMPLATE
+from services.scorer.rewards.text import (
+    ANSWER_PATTERN,
+    gold_answers,
+    last_answer,
+    normalize_answer,
+    response_part,
+)
 
 
 def em_check(prediction: str, golds: list[str]) -> bool:
@@ -68,7 +78,8 @@ _TAGS = ("think", "search", "information", "answer")
 _INFORMATION = re.compile(r"<information>(.*?)</information>", re.DOTALL)
 
 # state machine: (state, tag) -> next state. A valid response is
-# think -> (search -> information -> think)* -> answer, with only whitespace between blocks.
+# think -> (search -> information -> think)* -> answer, with only whitespace between blocks
+# and after the answer.
 _TRANSITIONS = {
     ("start", "<think>"): "in_think",
     ("information", "<think>"): "in_think",
@@ -83,9 +94,9 @@ _TRANSITIONS = {
 _INSIDE = {"in_think", "in_search", "in_information", "in_answer"}
 
 
-def is_valid_sequence(text: str) -> bool:
-    """Search-R1's structure check on the response (after the assistant marker if present)."""
-    content = response_part(text)
+def valid_structure(content: str) -> bool:
+    """Search-R1's structure rule on a response: balanced tags, the state machine above, and
+    nothing but whitespace outside the blocks (text after `</answer>` makes it invalid)."""
     for tag in _TAGS:
         if content.count(f"<{tag}>") != content.count(f"</{tag}>"):
             return False
@@ -97,15 +108,32 @@ def is_valid_sequence(text: str) -> bool:
             state = _TRANSITIONS.get((state, part), "invalid")
             if state == "invalid":
                 return False
-        elif state not in _INSIDE and state != "end":
-            return False  # text between blocks (trailing text after the answer is allowed)
+        elif state not in _INSIDE:
+            return False  # text between blocks or after the answer
     return state == "end"
+
+
+def is_valid_sequence(text: str) -> bool:
+    """The structure rule on the response (the text after the last assistant marker if any)."""
+    return valid_structure(response_part(text))
 
 
 def retrieval_correct(text: str, golds: list[str]) -> bool:
     """A gold answer appears in some `<information>` block (substring after normalisation)."""
     blocks = _INFORMATION.findall(response_part(text))
     return any(subem_check(block, golds) for block in blocks)
+
+
+def _table(valid: bool, retrieved: bool, answer: str | None, golds: list[str],
+           structure_format_score: float, final_format_score: float, retrieval_score: float,
+           score: float) -> float:
+    """Search-R1 v0.3 `compute_score_em`'s table (both modes share it)."""
+    structure_credit = structure_format_score + (retrieval_score if retrieved else 0.0)
+    if answer is None:
+        return structure_credit if valid else 0.0
+    if em_check(answer, golds):
+        return score if valid else score - structure_format_score
+    return structure_credit if valid else final_format_score
 
 
 def qa_em_format(
@@ -115,15 +143,62 @@ def qa_em_format(
     final_format_score: float = 0.1,
     retrieval_score: float = 0.0,
     score: float = 1.0,
+    mode: Literal["forage", "search_r1"] = "forage",
 ) -> float:
-    """Search-R1 v0.3 `compute_score_em` of qa_em_format.py (see reference/search_r1.md 4)."""
+    """Search-R1 v0.3 `compute_score_em` of qa_em_format.py (see reference/search_r1.md 4).
+
+    `mode="forage"` reads the response only: its last complete answer (none → no answer) and
+    its own `<information>` blocks. `mode="search_r1"` is Search-R1's function exactly,
+    prompt included (see `search_r1_view`)."""
     golds = gold_answers(ground_truth)
-    valid = is_valid_sequence(solution_str)
-    retrieved = valid and retrieval_correct(solution_str, golds)
-    answer = last_answer(solution_str)
-    structure_credit = structure_format_score + (retrieval_score if retrieved else 0.0)
-    if answer is None:
-        return structure_credit if valid else 0.0
-    if em_check(answer, golds):
-        return score if valid else score - structure_format_score
-    return structure_credit if valid else final_format_score
+    if mode == "search_r1":
+        text = search_r1_view(solution_str)
+        valid = search_r1_valid(text)
+        retrieved = valid and any(subem_check(block, golds)
+                                  for block in _INFORMATION.findall(text))
+        answer = search_r1_answer(text)
+    elif mode == "forage":
+        valid = is_valid_sequence(solution_str)
+        retrieved = valid and retrieval_correct(solution_str, golds)
+        answer = last_answer(solution_str)
+    else:
+        raise ValueError(f"qa_em_format: mode must be 'forage' or 'search_r1', got {mode!r}")
+    return _table(valid, retrieved, answer, golds, structure_format_score, final_format_score,
+                  retrieval_score, score)
+
+
+# ---------------------------------------------------------------- Search-R1's exact reading
+
+SEARCH_R1_MARKER = re.compile(r"<\|im_start\|>assistant\s*")
+# What Search-R1's reward sees before a response: its Qwen chat prompt. Only the instruction's
+# tags matter to the reward (two answer pairs, one information pair); the question does not.
+SEARCH_R1_CONTEXT = (
+    "<|im_start|>user\n" + SEARCH_R1_TEMPLATE.format(question="?")
+    + "<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+def search_r1_view(solution_str: str) -> str:
+    """The text Search-R1's reward manager decodes: prompt + response with special tokens. A
+    text without `<|im_start|>assistant` is taken as a response to Search-R1's own prompt."""
+    if SEARCH_R1_MARKER.search(solution_str):
+        return solution_str
+    return SEARCH_R1_CONTEXT + solution_str
+
+
+def search_r1_valid(text: str) -> bool:
+    """Search-R1's `is_valid_sequence`: the rule on the text after the FIRST
+    `<|im_start|>assistant` (and its whitespace); no marker → invalid."""
+    marker = SEARCH_R1_MARKER.search(text)
+    return marker is not None and valid_structure(text[marker.end():])
+
+
+def search_r1_answer(text: str) -> str | None:
+    """Search-R1's `extract_solution`: over the whole text, prompt included, None when there
+    are fewer than two complete answers, else the last one, stripped. Its prompt holds two
+    (`<answer> and </answer>`, `<answer> Beijing </answer>`), so a response without one is
+    read as answering "Beijing"."""
+    matches = ANSWER_PATTERN.findall(text)
+    if len(matches) <= 1:
+        return None
+    return matches[-1].strip()

@@ -2,8 +2,8 @@
 
 Rewards receive the decoded *response* (verl's naive manager passes only the response), but
 callers that pass prompt + response (TinyZero, Search-R1's own trainer) must not be credited
-for the prompt's example answer, so `response_part` cuts at the last assistant marker and
-drops Search-R1's template example sentence.
+for the prompt's tags (`<answer> and </answer>`, the example `<answer> Beijing </answer>`), so
+`response_part` cuts at the last assistant marker and drops Search-R1's instruction.
 """
 
 from __future__ import annotations
@@ -11,9 +11,14 @@ from __future__ import annotations
 import re
 import string
 
+from services.common.formats import SEARCH_R1_TEMPLATE
+
 ANSWER_PATTERN = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 ASSISTANT_MARKERS: tuple[str, ...] = ("<|im_start|>assistant", "Assistant:")
-# Search-R1's instruction template shows this example answer; it is never the model's answer.
+# Search-R1's instruction names every tag (`<answer> and </answer>`) and shows an example
+# answer; none of it is the model's. The whole instruction is dropped (a prompt + response
+# without an assistant marker), and the example sentence alone (another wrapper around it).
+SEARCH_R1_INSTRUCTION = SEARCH_R1_TEMPLATE.split("{question}")[0]
 TEMPLATE_EXAMPLE = "For example, <answer> Beijing </answer>."
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -21,8 +26,8 @@ _PUNCTUATION = str.maketrans("", "", string.punctuation)
 
 
 def response_part(text: str) -> str:
-    """The text after the last assistant marker (all of it when there is none), minus the
-    template's example answer."""
+    """The text after the last assistant marker (all of it when there is none), minus
+    Search-R1's instruction and its example answer."""
     cut = -1
     for marker in ASSISTANT_MARKERS:
         position = text.rfind(marker)
@@ -30,7 +35,7 @@ def response_part(text: str) -> str:
             cut = max(cut, position + len(marker))
     if cut != -1:
         text = text[cut:]
-    return text.replace(TEMPLATE_EXAMPLE, "")
+    return text.replace(SEARCH_R1_INSTRUCTION, "").replace(TEMPLATE_EXAMPLE, "")
 
 
 def last_answer(text: str) -> str | None:
