@@ -38,7 +38,8 @@ def trajectory_metrics(
     if not items:
         return {}
     out: dict[str, float] = {}
-    rewards = [float(i.reward) for i in items]
+    # NaN = unscorable (every reward function returned None): left out, as TRL logs rewards.
+    rewards = [r for r in (float(i.reward) for i in items) if not np.isnan(r)]
     out[f"{prefix}reward/mean"] = _mean(rewards)
     out[f"{prefix}reward/std"] = _std(rewards)
     out[f"{prefix}em/mean"] = _mean(float(is_correct(i)) for i in items)
@@ -46,7 +47,8 @@ def trajectory_metrics(
     for item in items:
         by_source[item.trajectory.data_source].append(item)
     for source, group in sorted(by_source.items()):
-        out[f"{prefix}reward/{source}/mean"] = _mean(float(i.reward) for i in group)
+        out[f"{prefix}reward/{source}/mean"] = _mean(
+            float(i.reward) for i in group if not np.isnan(float(i.reward)))
         out[f"{prefix}em/{source}"] = _mean(float(is_correct(i)) for i in group)
     trajs = [i.trajectory for i in items]
     out[f"{prefix}response_length/mean"] = _mean(len(t.response_ids) for t in trajs)

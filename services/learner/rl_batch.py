@@ -9,6 +9,7 @@ already filled by the trainer's collective passes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,9 +63,43 @@ def assign_advantages(
     kl_controller: KLController | None = None,
     overconf_coeff: float = 0.0,
 ) -> dict[str, float]:
-    """Fill `advantages` and `returns` of every sample; returns the step's advantage metrics."""
+    """Fill `advantages` and `returns` of every sample; returns the step's advantage metrics.
+
+    An unscorable trajectory (reward NaN: every reward function returned None) follows TRL's
+    GRPOTrainer: it is left out of every baseline and normalisation (group mean and std, batch
+    whitening) and gets advantage 0, so it neither moves the policy nor biases the others'
+    baselines; it stays in the batch (KL and loss normalisation see it, as in TRL). Its returns
+    are 0, or its own values under GAE (no pull on the critic)."""
     if len(samples) != len(items):
         raise ValueError(f"{len(samples)} samples for {len(items)} scored trajectories")
+    scorable = [row for row, item in enumerate(items) if not math.isnan(float(item.reward))]
+    if len(scorable) == len(items):
+        return _assign(samples, items, options, estimator, bnpo_state, kl_controller,
+                       overconf_coeff)
+    for row in sorted(set(range(len(items))) - set(scorable)):
+        sample = samples[row]
+        zeros = np.zeros(len(sample) - sample.prompt_len, dtype=np.float32)
+        sample.set_response_field("advantages", zeros)
+        own_values = estimator == "gae" and "values" in sample.fields
+        sample.set_response_field("returns", sample.response_field("values").copy()
+                                  if own_values else zeros)
+    metrics: dict[str, float] = {}
+    if scorable:
+        metrics = _assign([samples[r] for r in scorable], [items[r] for r in scorable], options,
+                          estimator, bnpo_state, kl_controller, overconf_coeff)
+    metrics["rewards/unscorable_fraction"] = 1.0 - len(scorable) / len(items)
+    return metrics
+
+
+def _assign(
+    samples: Sequence[Sample],
+    items: Sequence[ScoredTrajectory],
+    options: alg.AlgorithmSettings,
+    estimator: str,
+    bnpo_state: alg.BNPOState | None,
+    kl_controller: KLController | None,
+    overconf_coeff: float,
+) -> dict[str, float]:
     tensors = response_tensors(samples, [float(i.reward) for i in items])
     mask = tensors["response_mask"]
     token_rewards = tensors["token_level_rewards"]

@@ -184,8 +184,10 @@ class ScorerWorker:
             metrics.ITEMS_PER_SECOND.set(count / seconds)
         for source, values in rewards.items():
             metrics.ITEMS.labels(source).inc(len(values))
-            metrics.REWARD_SUM.labels(source).inc(sum(values))
-            metrics.REWARD_MEAN.labels(source).set(sum(values) / len(values))
+            scored = [v for v in values if v == v]  # NaN: unscorable, not a reward (TRL)
+            if scored:
+                metrics.REWARD_SUM.labels(source).inc(sum(scored))
+                metrics.REWARD_MEAN.labels(source).set(sum(scored) / len(scored))
         if probe_stats:
             metrics.PROBE_AUC.set(sum(a for a, _ in probe_stats) / len(probe_stats))
             metrics.PROBE_OVERCONF.set(sum(o for _, o in probe_stats) / len(probe_stats))

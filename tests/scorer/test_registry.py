@@ -108,7 +108,8 @@ def test_bad_function_names(spec, match):
         RewardTable({"nq": [spec]})
 
 
-def test_combine_all_none_is_zero():
+def test_combine_all_none_is_nan():
+    """TRL: a row every reward function returned None for is unscorable (NaN), not 0."""
     table = RewardTable()
     total, recorded = combine(table.components("nq"), [None])
-    assert total == 0.0 and math.isnan(recorded["qa_em"])
+    assert math.isnan(total) and math.isnan(recorded["qa_em"])

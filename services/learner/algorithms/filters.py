@@ -8,6 +8,7 @@ rllm's unified rejection sampling also drops groups of fewer than two (`keep_sin
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Mapping, Sequence
 
 
@@ -17,10 +18,12 @@ def filter_groups(
     keep_singletons: bool = True,
     atol: float = 0.0,
 ) -> list[Hashable]:
-    """uids whose rewards differ (max - min > atol), in input order; empty groups are dropped."""
+    """uids whose rewards differ (max - min > atol), in input order; empty groups are dropped.
+
+    NaN rewards (unscorable, TRL) are left out, as they are of the estimators' baselines."""
     kept: list[Hashable] = []
     for uid, rewards in rewards_by_uid.items():
-        values = [float(r) for r in rewards]
+        values = [float(r) for r in rewards if not math.isnan(float(r))]
         if not values:
             continue
         if len(values) == 1:

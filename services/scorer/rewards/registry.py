@@ -2,7 +2,8 @@
 
 A data source maps to one or more components (function, weight, options). The total is the
 weighted sum of the components' values; a function may return None, which is recorded as NaN
-and left out of the sum (TRL's rule), and a dict, whose "score" is its value and whose other
+and left out of the sum (TRL's rule; when all return None the total is NaN: unscorable), and a
+dict, whose "score" is its value and whose other
 numeric entries are kept as `name/key` components. Functions are named by registry name
 (`qa_em`, `math_verify`, ...) or by `module:function` (any callable with verl's signature).
 """
@@ -194,8 +195,13 @@ def _number(name: str, value: Any) -> float:
 
 
 def combine(components: list[Component], values: list[Any]) -> tuple[float, dict[str, float]]:
-    """Weighted sum over the components' values (NaN ones left out) and every component."""
+    """Weighted sum over the components' values (NaN ones left out) and every component.
+
+    TRL's GRPOTrainer: None → NaN per function, the row's reward is the weighted nansum, and a
+    row for which EVERY function returned None is unscorable: its reward is NaN (not 0), so the
+    learner leaves it out of the group baseline and gives it advantage 0."""
     total = 0.0
+    scored = False
     recorded: dict[str, float] = {}
     for component, value in zip(components, values, strict=True):
         named = component_values(component.name, value)
@@ -203,4 +209,5 @@ def combine(components: list[Component], values: list[Any]) -> tuple[float, dict
         main = named[component.name]
         if not math.isnan(main):
             total += component.weight * main
-    return total, recorded
+            scored = True
+    return (total if scored else math.nan), recorded
