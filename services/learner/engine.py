@@ -115,6 +115,42 @@ def warmup_lambda(warmup_steps: int, total_steps: int, schedule: str):
     return factor
 
 
+def ratio_warmup_lambda(
+    warmup_ratio: float, total_steps: int, updates_per_step: int, schedule: str
+):
+    """LR multiplier of verl's ratio warm-up, per optimizer step.
+
+    verl (and Search-R1's fork) builds `get_constant_schedule_with_warmup(num_warmup_steps=
+    int(lr_warmup_steps_ratio x total_training_steps))` and steps it once per training step,
+    after the update: training step t (from 0) runs every one of its mini-batch updates at
+    LR x min(1, t / W), so step 0 runs at LR 0. Here the scheduler steps per optimizer step,
+    so t = optimizer step // `updates_per_step` (the fixed number of updates one RL step
+    takes) gives the same LR at every update. After the warm-up: constant, or a cosine decay
+    to 0 at `total_steps` (in training steps).
+    """
+    warmup = int(warmup_ratio * total_steps)
+    per_step = max(1, int(updates_per_step))
+
+    def factor(step: int) -> float:
+        t = step // per_step
+        if warmup > 0 and t < warmup:
+            return t / warmup
+        if schedule == "cosine" and total_steps > warmup:
+            progress = min(1.0, (t - warmup) / max(1, total_steps - warmup))
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+
+    return factor
+
+
+def rl_updates_per_step(cfg: LearnerSection, n_samples: int) -> int:
+    """Optimizer steps one RL training step takes: PPO epochs x mini-batches of the batch's
+    train_batch_size x n_samples sequences (`learner.mini_batch_size`; 0 = one mini-batch)."""
+    sequences = cfg.train_batch_size * n_samples
+    mini = cfg.mini_batch_size if 0 < cfg.mini_batch_size < sequences else sequences
+    return cfg.ppo_epochs * -(-sequences // mini)
+
+
 class TrainEngine:
     """One model under DeepSpeed: forward, masked-accumulation backward, stepping, state."""
 
@@ -127,7 +163,11 @@ class TrainEngine:
         total_steps: int,
         device: torch.device,
         export_group_bytes: int = EXPORT_GROUP_BYTES,
+        warmup_ratio: float | None = None,
+        updates_per_step: int = 1,
     ) -> None:
+        """`warmup_ratio` (with `updates_per_step`) selects verl's per-training-step warm-up
+        (`ratio_warmup_lambda`); None keeps `cfg.warmup_steps` in optimizer steps."""
         import deepspeed
 
         self.bf16 = use_bf16(cfg.bf16, device)
@@ -148,9 +188,12 @@ class TrainEngine:
             optimizer = torch.optim.AdamW(
                 params, lr=lr, betas=cfg.betas, weight_decay=cfg.weight_decay
             )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, warmup_lambda(cfg.warmup_steps, total_steps, cfg.lr_schedule)
-        )
+        if warmup_ratio is not None:
+            lr_factor = ratio_warmup_lambda(warmup_ratio, total_steps, updates_per_step,
+                                            cfg.lr_schedule)
+        else:
+            lr_factor = warmup_lambda(cfg.warmup_steps, total_steps, cfg.lr_schedule)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
         model.to(device)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model,

@@ -179,6 +179,7 @@ class LearnerLoop:
     def _build_trainer(self) -> None:
         from transformers import AutoTokenizer
 
+        from services.learner.engine import rl_updates_per_step
         from services.learner.trainer import PolicyTrainer
 
         opt = self.options
@@ -191,6 +192,7 @@ class LearnerLoop:
             use_critic=self.learner.adv_estimator == "gae",
             pad_token_id=pad,
             gradient_checkpointing=self.cfg.model.gradient_checkpointing,
+            updates_per_step=rl_updates_per_step(self.learner, self.cfg.data.n_samples),
         )
         self.bnpo_state = opt.make_bnpo_state() if self.learner.adv_estimator == "bnpo" else None
         self.kl_controller = opt.make_kl_controller() if opt.use_kl_in_reward else None

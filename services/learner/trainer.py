@@ -77,7 +77,10 @@ class PolicyTrainer:
         use_critic: bool = False,
         pad_token_id: int = 0,
         gradient_checkpointing: bool = False,
+        updates_per_step: int | None = None,
     ) -> None:
+        """`updates_per_step` (optimizer steps per RL step; the RL loop passes it) enables
+        `learner.warmup_ratio` / `critic_warmup_ratio`, verl's warm-up counted in RL steps."""
         D.ensure_distributed()
         self.cfg = cfg
         self.rank = D.rank()
@@ -100,8 +103,14 @@ class PolicyTrainer:
                  "on" if gradient_checkpointing else "off")
         policy = load_causal_lm(model_path, self.device, self.dtype, self.attn_implementation,
                                 gradient_checkpointing)
+        ratio = critic_ratio = None  # SFT and direct use: cfg.warmup_steps
+        if updates_per_step is not None:
+            ratio = cfg.warmup_ratio
+            critic_ratio = ratio if cfg.critic_warmup_ratio is None else cfg.critic_warmup_ratio
+        per_step = updates_per_step or 1
         self.policy = TrainEngine(
-            policy, cfg, lr=lr if lr is not None else cfg.lr, total_steps=steps, device=self.device
+            policy, cfg, lr=lr if lr is not None else cfg.lr, total_steps=steps, device=self.device,
+            warmup_ratio=ratio, updates_per_step=per_step,
         )
         self.ref: torch.nn.Module | None = None
         if use_ref:
@@ -124,6 +133,8 @@ class PolicyTrainer:
                 lr=cfg.critic_lr if cfg.critic_lr is not None else cfg.lr,
                 total_steps=steps,
                 device=self.device,
+                warmup_ratio=critic_ratio,
+                updates_per_step=per_step,
             )
 
     # ------------------------------------------------------------------ shared machinery

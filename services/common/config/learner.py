@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from services.common.config.base import Section
 
@@ -47,6 +47,12 @@ class LearnerSection(Section):
     grad_clip: float = Field(default=1.0, ge=0)  # 0: no clipping
     warmup_steps: int = Field(default=0, ge=0)  # linear LR warm-up, in optimizer steps
     lr_schedule: Literal["constant", "cosine"] = "constant"  # after the warm-up
+    # RL only, verl's `optim.lr_warmup_steps_ratio`: warm up over int(ratio x total_steps)
+    # training steps, LR x min(1, t/W) during training step t (so step 0 runs at LR 0, as in
+    # verl); replaces warmup_steps. None: warmup_steps. docs/learner.md "LR schedule".
+    warmup_ratio: float | None = Field(default=None, ge=0, le=1)
+    # The critic's warm-up ratio (verl `critic.optim.lr_warmup_steps_ratio`); None: warmup_ratio.
+    critic_warmup_ratio: float | None = Field(default=None, ge=0, le=1)
     # bf16 autocast/weights: "auto" = on when a CUDA device is used, off on CPU.
     bf16: Literal["auto", "on", "off"] = "auto"
     # Sampling temperature the rollout used: log-probs are computed from logits / temperature.
@@ -80,3 +86,9 @@ class LearnerSection(Section):
     filter_max_dropped: int = Field(default=256, ge=1)
     # Run this long at most (0: no limit); the loop then checkpoints and exits cleanly.
     max_wall_s: float = Field(default=0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> LearnerSection:
+        if self.warmup_ratio is not None and self.warmup_steps:
+            raise ValueError("set learner.warmup_steps or learner.warmup_ratio, not both")
+        return self
