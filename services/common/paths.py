@@ -40,26 +40,33 @@ def require_set(value: str | None, key: str, what: str) -> str:
     return value
 
 
+def _shown(path: Path) -> str:
+    """The path as given, and where a relative one points (the service's working directory is
+    often not the one the user thinks of, e.g. in a container)."""
+    return str(path) if path.is_absolute() else f"{path} (= {Path.cwd() / path})"
+
+
 def require_dir(path: str | os.PathLike[str] | None, key: str, what: str = "a directory",
                 contains: Iterable[str] = ()) -> Path:
     """`path` as a Path if it is a directory holding at least one of `contains` (if given)."""
     target = Path(require_set(None if path is None else str(path), key, what)).expanduser()
     if not target.exists():
-        raise InputPathError(f"{key}: {target} does not exist ({what})")
+        raise InputPathError(f"{key}: {_shown(target)} does not exist ({what})")
     if not target.is_dir():
-        raise InputPathError(f"{key}: {target} is not a directory ({what})")
+        raise InputPathError(f"{key}: {_shown(target)} is not a directory ({what})")
     names = tuple(contains)
     if names and not any((target / name).is_file() for name in names):
-        raise InputPathError(f"{key}: {target} has no {' or '.join(names)} (not {what})")
+        raise InputPathError(f"{key}: {_shown(target)} has no {' or '.join(names)} "
+                             f"(not {what})")
     return target
 
 
 def require_file(path: str | os.PathLike[str] | None, key: str, what: str = "a file") -> Path:
     target = Path(require_set(None if path is None else str(path), key, what)).expanduser()
     if not target.exists():
-        raise InputPathError(f"{key}: {target} does not exist ({what})")
+        raise InputPathError(f"{key}: {_shown(target)} does not exist ({what})")
     if not target.is_file():
-        raise InputPathError(f"{key}: {target} is not a file ({what})")
+        raise InputPathError(f"{key}: {_shown(target)} is not a file ({what})")
     return target
 
 

@@ -60,7 +60,12 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     forward (`use_cache=False` is passed on each call), so checkpointing never meets a cache;
     the model's config is left as it is, so an exported checkpoint still generates with one.
     """
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers ≥ 5.x name
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 class PolicyTrainer:
