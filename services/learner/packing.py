@@ -39,6 +39,7 @@ TOKEN_FIELDS: tuple[str, ...] = (
     "rollout_logprobs",
     "ref_logprobs",
     "values",
+    "step_index",  # the turn (step) each response token belongs to; rllm's per-step loss rows
 )
 
 

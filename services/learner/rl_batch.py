@@ -40,8 +40,17 @@ def check_estimator(name: str) -> None:
         raise ValueError(f"learner.adv_estimator={name}: {UNSUPPORTED_IN_LOOP[name]}")
 
 
-def samples_of(items: Sequence[ScoredTrajectory]) -> list[Sample]:
-    return [sample_from_trajectory(item.trajectory) for item in items]
+def samples_of(items: Sequence[ScoredTrajectory], step_rows: bool = False) -> list[Sample]:
+    """Training samples of a batch; with `step_rows` each also carries `step_index` (the step of
+    every response token, from `Trajectory.turns`) for rllm's one-row-per-step loss."""
+    samples = [sample_from_trajectory(item.trajectory) for item in items]
+    if step_rows:
+        for sample, item in zip(samples, items, strict=True):
+            length = len(item.trajectory.response_ids)
+            sample.set_response_field("step_index",
+                                      np.asarray(alg.step_index_row(item.trajectory.turns, length),
+                                                 dtype=np.float32))
+    return samples
 
 
 def response_field_matrix(samples: Sequence[Sample], name: str, width: int) -> torch.Tensor:

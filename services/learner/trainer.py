@@ -218,9 +218,20 @@ class PolicyTrainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return torch.autocast("cpu", enabled=False)
 
-    def _counts(self, samples: Sequence[Sample], indices: Sequence[int]) -> tuple[float, float]:
+    def _counts(
+        self, samples: Sequence[Sample], indices: Sequence[int], step_rows: bool = False
+    ) -> tuple[float, float]:
+        """Loss tokens and loss rows of `samples[indices]`: a row is a sequence, or each of its
+        steps with `step_rows` (rllm; learner.algorithm.loss_rows)."""
+        from services.learner.algorithms import count_step_rows
+
         tokens = sum(samples[i].num_loss_tokens for i in indices)
-        seqs = sum(1 for i in indices if samples[i].num_loss_tokens > 0)
+        if step_rows:
+            _require_step_index(samples, indices)
+            seqs = sum(count_step_rows(samples[i].fields["step_index"], samples[i].loss_mask)
+                       for i in indices)
+        else:
+            seqs = sum(1 for i in indices if samples[i].num_loss_tokens > 0)
         return float(max(tokens, 1)), float(max(seqs, 1))
 
     def _run_update(
@@ -230,10 +241,11 @@ class PolicyTrainer:
         indices: Sequence[int],
         loss_fn: Callable[[MicroBatch, torch.Tensor, float, float], tuple[torch.Tensor, dict]],
         model_out: Callable[[MicroBatch], torch.Tensor],
+        step_rows: bool = False,
     ) -> dict[str, float]:
         """One optimizer step over `samples[indices]`, micro-batched; returns summed metrics."""
         engine.train()
-        tokens, seqs = self._counts(samples, indices)
+        tokens, seqs = self._counts(samples, indices, step_rows)
         metrics: dict[str, float] = {}
         computed = padding = 0
         plan = self._plan(samples, indices)
@@ -323,9 +335,15 @@ class PolicyTrainer:
         width = opt.max_response_len
 
         def rows(flat: torch.Tensor) -> torch.Tensor:
-            return mb.response_matrix(flat, width)
+            matrix = mb.response_matrix(flat, width)
+            return matrix if pick is None else matrix[pick]
 
+        pick: torch.Tensor | None = None
         mask = rows(mb.loss_mask)
+        if opt.step_rows:  # rllm: one row per step, so seq-mean modes average over steps
+            if "step_index" not in mb.fields:
+                raise ValueError(STEP_INDEX_MISSING)
+            pick, mask = alg.step_rows(rows(mb.fields["step_index"]), mask)
         log_prob = rows(logp)
         old = rows(mb.fields["old_logprobs"]) if "old_logprobs" in mb.fields else log_prob.detach()
         adv = rows(mb.fields["advantages"])
@@ -394,7 +412,8 @@ class PolicyTrainer:
         steps: list[dict[str, float]] = []
         for _ in range(self.cfg.ppo_epochs):
             for mini in split_mini_batches(len(samples), self.cfg.mini_batch_size):
-                m = self._run_update(self.policy, samples, mini, self.rl_loss, self._policy_out)
+                m = self._run_update(self.policy, samples, mini, self.rl_loss, self._policy_out,
+                                     step_rows=self.options.step_rows)
                 if self.critic is not None:
                     critic = self.critic
 
@@ -417,6 +436,15 @@ class PolicyTrainer:
     def state_dict_for_export(self) -> dict[str, torch.Tensor]:
         """Full policy weights (ZeRO-3 gathered) on CPU; what the weight-sync server serves."""
         return self.policy.full_state_dict()
+
+
+STEP_INDEX_MISSING = ("learner.algorithm.loss_rows=step needs each sample's step_index "
+                      "(services.learner.rl_batch.samples_of(items, step_rows=True))")
+
+
+def _require_step_index(samples: Sequence[Sample], indices: Sequence[int]) -> None:
+    if any("step_index" not in samples[i].fields for i in indices):
+        raise ValueError(STEP_INDEX_MISSING)
 
 
 def broadcast_samples(samples: list[Sample] | None) -> list[Sample]:

@@ -31,7 +31,10 @@ from services.learner.algorithms.masked import masked_mean, masked_var, masked_w
 from services.learner.algorithms.multi_turn import (
     MULTI_TURN_MODES,
     compute_advantage,
+    count_step_rows,
+    step_index_row,
     step_regions,
+    step_rows,
     stepwise_broadcast,
     stepwise_per_step,
 )
@@ -58,6 +61,7 @@ __all__ = [
     "apply_overconfidence_penalty",
     "bnpo",
     "compute_advantage",
+    "count_step_rows",
     "entropy_from_logits",
     "filter_groups",
     "gae",
@@ -76,7 +80,9 @@ __all__ = [
     "reinforce_plus_plus_baseline",
     "remax",
     "rloo",
+    "step_index_row",
     "step_regions",
+    "step_rows",
     "stepwise_broadcast",
     "stepwise_per_step",
     "value_loss",

@@ -36,9 +36,15 @@ class AlgorithmSettings(Section):
     bnpo_weight_cap: float = Field(default=1e6, gt=0)
     # --- multi-turn credit ---
     multi_turn: Literal["trajectory", "broadcast", "per_step"] = "trajectory"
-    step_gamma: float = Field(default=0.95, ge=0, le=1)
+    # per_step discount: rllm's AgentExecutionEngine(gamma=0.2), the value its per-step MC
+    # returns are computed with (rllm/engine/agent_execution_engine.py before 6d5c2c59).
+    step_gamma: float = Field(default=0.2, ge=0, le=1)
     normalize_by_steps: bool = False
     broadcast_group_by: Literal["prompt", "prompt_and_steps"] = "prompt"
+    # Rows of the loss aggregation: "trajectory" (one row per trajectory) or "step" (rllm: each
+    # step is its own row, so seq-mean modes average over steps). None: "step" in the stepwise
+    # modes (broadcast, per_step), which are rllm's, else "trajectory".
+    loss_rows: Literal["trajectory", "step"] | None = None
     # --- policy loss ---
     loss_agg_mode: str = "token-mean"
     clip_ratio_low: float = Field(default=0.2, ge=0, lt=1)
@@ -121,6 +127,13 @@ class AlgorithmSettings(Section):
             "broadcast_group_by": self.broadcast_group_by,
             **self.estimator_options(name, bnpo_state),
         }
+
+    @property
+    def step_rows(self) -> bool:
+        """Whether the loss aggregates one row per step (rllm) instead of per trajectory."""
+        if self.loss_rows is None:
+            return self.multi_turn != "trajectory"
+        return self.loss_rows == "step"
 
     def make_bnpo_state(self) -> BNPOState | None:
         return BNPOState(self.bnpo_window) if self.bnpo_window >= 2 else None

@@ -17,8 +17,16 @@ any group-based estimator works per step without a second code path.
   trajectories of equal length share a group).
 - per_step: step rewards r_k (the row's token rewards summed over the region; an outcome reward
   lands in the last step) become discounted Monte-Carlo returns G_k = r_k + gamma G_{k+1}; step
-  k of every sample of a prompt forms one group (uid, k), as rllm's step ids do. `gamma=0` uses
-  the raw step rewards (rllm's workflow default).
+  k of every sample of a prompt forms one group (uid, k), as rllm's step ids do. The default
+  gamma is 0.2, the discount rllm's AgentExecutionEngine computes its per-step MC returns with
+  (rllm/engine/agent_execution_engine.py, `gamma=0.2`, before commit 6d5c2c59 removed that
+  stack); `gamma=0` uses the raw step rewards (rllm's workflow default).
+
+Loss rows. rllm trains each step as its own row (prompt = the context so far, response = that
+step's tokens), so the seq-mean aggregation modes weight every step equally; here a
+trajectory is one row. `step_index_row` labels each response position with its step and
+`step_rows` expands (batch, T) loss matrices to one row per step, so the trainer can aggregate
+exactly as rllm does (`learner.algorithm.loss_rows`). token-mean is the same either way.
 """
 
 from __future__ import annotations
@@ -54,6 +62,39 @@ def step_regions(turns: Sequence[Any], length: int) -> list[tuple[int, int]]:
     starts[0] = 0
     bounds = starts + [length]
     return [(bounds[k], bounds[k + 1]) for k in range(len(starts)) if bounds[k] < bounds[k + 1]]
+
+
+def step_index_row(turns: Sequence[Any], length: int) -> list[int]:
+    """The step k of every response position (the regions of `step_regions`)."""
+    out = [0] * length
+    for k, (start, stop) in enumerate(step_regions(turns, length)):
+        out[start:stop] = [k] * (stop - start)
+    return out
+
+
+def step_rows(step_index: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rllm's one-row-per-step layout of (batch, T) loss matrices.
+
+    Returns (rows, step_mask): step row s comes from row `rows[s]` and keeps only the tokens of
+    its step (`step_mask[s]`). Steps with no loss token are left out, as rllm drops pad steps.
+    Use as `agg_loss(loss_mat[rows], step_mask, mode)`.
+    """
+    rows: list[int] = []
+    masks: list[torch.Tensor] = []
+    for i in range(mask.shape[0]):
+        active = mask[i] > 0
+        for k in torch.unique(step_index[i][active]).tolist():
+            rows.append(i)
+            masks.append(mask[i] * (step_index[i] == k).to(mask.dtype))
+    index = torch.tensor(rows, dtype=torch.long, device=mask.device)
+    if not masks:
+        return index, mask.new_zeros((0, mask.shape[1]))
+    return index, torch.stack(masks)
+
+
+def count_step_rows(step_index: Sequence[float], loss_mask: Sequence[float]) -> int:
+    """Number of steps with at least one loss token (the sequence count of step rows)."""
+    return len({int(k) for k, m in zip(step_index, loss_mask, strict=True) if m > 0})
 
 
 def _group_keys(group_ids: GroupIds, batch: int) -> list[Hashable]:
@@ -99,7 +140,7 @@ def stepwise_per_step(
     group_ids: GroupIds,
     turn_spans: TurnSpans,
     *,
-    gamma: float = 0.95,
+    gamma: float = 0.2,
     estimator: str | Estimator = "grpo",
     **estimator_options: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +231,7 @@ def compute_advantage(
     estimator: str | Estimator = "grpo",
     mode: str = "trajectory",
     turn_spans: TurnSpans | None = None,
-    step_gamma: float = 0.95,
+    step_gamma: float = 0.2,
     normalize_by_steps: bool = False,
     broadcast_group_by: Literal["prompt", "prompt_and_steps"] = "prompt",
     **estimator_options: Any,
