@@ -86,6 +86,16 @@ class LearnerSection(Section):
     filter_max_dropped: int = Field(default=256, ge=1)
     # Run this long at most (0: no limit); the loop then checkpoints and exits cleanly.
     max_wall_s: float = Field(default=0.0, ge=0)
+    # --- What a researcher watches (services/learner/trackers.py, samples.py; docs/learner.md) ---
+    # Where each train/eval metrics line goes (verl's `trainer.logger`). RUN_DIR/metrics.jsonl
+    # is always written (the report, resume and progress read it); the others are optional
+    # extras: pip install 'forage[tensorboard]' / '[wandb]' / '[mlflow]' / '[trackers]'.
+    logger: list[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["console", "jsonl"])
+    # Every this many RL steps (0: never; evaluations always log theirs), write
+    # `log_samples_n` decoded trajectories to RUN_DIR/samples.jsonl and the trackers.
+    log_samples_every: int = Field(default=10, ge=0)
+    log_samples_n: int = Field(default=4, ge=0)
 
     @model_validator(mode="after")
     def _one_warmup(self) -> LearnerSection:
