@@ -2,8 +2,13 @@
 
 Every payload is a msgpack map with a `schema` field naming the record type and version.
 Token arrays travel as raw little-endian bytes. Anything that does not decode into a valid
-record (garbage bytes, unknown schema, wrong types, inconsistent lengths) raises `CodecError`,
-the one exception type consumers need to catch to dead-letter a message.
+record (garbage bytes, unknown schema, wrong types, inconsistent lengths, or values no consumer
+can use: a negative token id, a NaN temperature, an empty prompt, a free-form field nested
+deeper than `MAX_NESTING`) raises `CodecError`, the one exception type consumers need to catch
+to dead-letter a message. Values are checked here, at the edge, because a value that passes
+decoding reaches code (tokenizers, samplers, reward functions) that fails on it in ways the
+consumer cannot tell apart from its own bugs. `check_token_ids` adds the bound only a consumer
+knows: its vocabulary size.
 """
 
 from __future__ import annotations
@@ -29,6 +34,16 @@ SCHEMA_TRAJECTORY = "forage.trajectory/1"
 SCHEMA_SCORED = "forage.scored/1"
 
 Record = PromptGroup | Trajectory | ScoredTrajectory
+
+# Free-form fields (ground_truth, extra) may nest at most this deep: deeper structures reach
+# recursive code (reward functions, json, msgpack's own 1024-level stack) and fail there.
+MAX_NESTING = 32
+# Samples per prompt group: a group is played in one batch, so n is bounded by what a replica
+# can hold; 4096 is far above any real group (GRPO uses 4-64) and below memory trouble.
+MAX_GROUP_N = 4096
+MAX_TURNS = 10_000
+# Sampling overrides a prompt group may carry, and the values each accepts.
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_turns")
 
 _INT32 = np.dtype("<i4")
 _UINT8 = np.dtype("u1")
@@ -70,6 +85,8 @@ def encode(record: Record) -> bytes:
         }
     else:
         raise CodecError(f"cannot encode {type(record).__name__}")
+    for name in ("ground_truth", "extra"):
+        _check_nesting(body.get(name), f"{body['schema']}: field {name!r}")
     try:
         return msgpack.packb(body, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -77,7 +94,7 @@ def encode(record: Record) -> bytes:
 
 
 def _trajectory_to_map(traj: Trajectory) -> dict[str, Any]:
-    return {
+    body: dict[str, Any] = {
         "uid": traj.uid,
         "sample_id": traj.sample_id,
         "data_source": traj.data_source,
@@ -99,34 +116,103 @@ def _trajectory_to_map(traj: Trajectory) -> dict[str, Any]:
         "kind": traj.kind,
         "error": traj.error,
     }
+    if any(t.docs for t in traj.turns):
+        # Beside `turns`, not in them: decoders that predate it ignore the key, so a new
+        # rollout can feed an old scorer/learner (forage.trajectory/1 stays readable both ways).
+        body["turn_docs"] = [
+            None if not t.docs else [[d["id"], d["title"]] for d in t.docs] for t in traj.turns
+        ]
+    return body
 
 
 # ---------------------------------------------------------------- decode
 
 
-def decode(payload: bytes) -> Record:
-    """Decode any record; raises CodecError for anything that is not a valid one."""
+def decode(payload: bytes | None) -> Record:
+    """Decode any record; raises CodecError for anything that is not a valid one.
+
+    `None` is how a stream message says its entry had no `payload` field.
+    """
+    if payload is None:
+        raise CodecError("the stream entry has no 'payload' field")
     if not isinstance(payload, bytes | bytearray | memoryview):
         raise CodecError(f"payload must be bytes, got {type(payload).__name__}")
+    if not payload:
+        raise CodecError("payload is empty")
     try:
         body = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise CodecError(f"not a msgpack payload: {exc}") from None
+        raise CodecError(f"not a msgpack payload ({len(payload)} bytes): "
+                         f"{_unpack_error(exc)}") from None
     if not isinstance(body, dict):
         raise CodecError(f"payload must be a map, got {type(body).__name__}")
     schema = body.get("schema")
     reader = _READERS.get(schema) if isinstance(schema, str) else None
     if reader is None:
-        raise CodecError(f"unknown schema {schema!r}; expected one of {sorted(_READERS)}")
+        raise CodecError(f"unknown schema {_short(schema)}; expected one of {sorted(_READERS)}")
     try:
         return reader(_Fields(body, schema))
     except CodecError:
         raise
-    except (TypeError, ValueError, KeyError) as exc:
-        raise CodecError(f"{schema}: {exc}") from None
+    except (TypeError, ValueError, KeyError, OverflowError, RecursionError) as exc:
+        raise CodecError(f"{schema}: {type(exc).__name__}: {exc}") from None
 
 
-def decode_as(payload: bytes, record_type: type) -> Any:
+# msgpack's own messages are empty for some errors (FormatError, StackError): say what they mean.
+_UNPACK_ERRORS = {
+    "ExtraData": "extra bytes after the first msgpack object",
+    "FormatError": "a byte that starts no msgpack type",
+    "StackError": "nested deeper than msgpack's 1024-level limit",
+    "OutOfData": "truncated",
+}
+
+
+def _unpack_error(exc: Exception) -> str:
+    name = type(exc).__name__
+    meaning = _UNPACK_ERRORS.get(name)
+    detail = str(exc)[:200]
+    if meaning and detail:
+        return f"{name} ({meaning}): {detail}"
+    return f"{name} ({meaning})" if meaning else f"{name}: {detail or 'no detail'}"
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
+def _check_nesting(value: Any, what: str, limit: int = MAX_NESTING) -> None:
+    """Raise CodecError when lists/maps in `value` nest deeper than `limit` (iteratively: a
+    recursive walk would itself fail on the structures it is meant to refuse)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        if depth >= limit:
+            raise CodecError(f"{what} is nested too deep (more than {limit} levels)")
+        stack.extend((child, depth + 1) for child in children)
+
+
+def check_token_ids(record: Trajectory | ScoredTrajectory, vocab_size: int) -> None:
+    """Raise CodecError when a token id is outside [0, vocab_size): the consumer's own bound
+    (the codec already refuses negative ids)."""
+    trajectory = record.trajectory if isinstance(record, ScoredTrajectory) else record
+    for name in ("prompt_ids", "response_ids"):
+        ids = getattr(trajectory, name)
+        if ids.size and int(ids.max()) >= vocab_size:
+            position = int(np.argmax(ids >= vocab_size))
+            raise CodecError(
+                f"{name} holds token id {int(ids[position])} at position {position}, outside "
+                f"the vocabulary ({vocab_size} ids)"
+            )
+
+
+def decode_as(payload: bytes | None, record_type: type) -> Any:
     """Decode and check the record type (e.g. a prompt group on the trajectory stream)."""
     record = decode(payload)
     if type(record) is not record_type:
@@ -202,8 +288,29 @@ class _Fields:
             )
         return np.frombuffer(value, dtype=dtype).astype(dtype.newbyteorder("="), copy=False)
 
+    def token_ids(self, name: str) -> np.ndarray:
+        ids = self.array(name, _INT32)
+        if ids.size and int(ids.min()) < 0:
+            position = int(np.argmax(ids < 0))
+            raise CodecError(
+                f"{self.schema}: {name} holds a negative token id ({int(ids[position])}) at "
+                f"position {position}"
+            )
+        return ids
+
     def raw(self, name: str) -> Any:
         return self._get(name, optional=True)
+
+    def free_form(self, name: str) -> Any:
+        """A field of any msgpack shape (ground truth), bounded in depth."""
+        value = self._get(name, optional=True)
+        _check_nesting(value, f"{self.schema}: field {name!r}")
+        return value
+
+    def free_map(self, name: str) -> dict[str, Any]:
+        value = self.map(name)
+        _check_nesting(value, f"{self.schema}: field {name!r}")
+        return value
 
 
 def _read_prompt_group(f: _Fields) -> PromptGroup:
@@ -216,22 +323,26 @@ def _read_prompt_group(f: _Fields) -> PromptGroup:
                 and isinstance(message.get("content"), str)
             ):
                 raise CodecError(f"{f.schema}: prompt messages need string 'role' and 'content'")
-    elif not isinstance(prompt, str):
+        text = "".join(message["content"] for message in prompt)
+    elif isinstance(prompt, str):
+        text = prompt
+    else:
         raise f._fail("prompt", "a string or a list of chat messages", prompt)
+    if not text.strip():
+        raise CodecError(f"{f.schema}: field 'prompt' is empty (no text to generate from)")
     n = f.int("n")
-    if n < 1:
-        raise CodecError(f"{f.schema}: field 'n' must be >= 1, got {n}")
+    if not 1 <= n <= MAX_GROUP_N:
+        raise CodecError(f"{f.schema}: field 'n' must be between 1 and {MAX_GROUP_N}, got {n}")
     sampling = f.map("sampling")
     for key, value in sampling.items():
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            raise CodecError(f"{f.schema}: sampling[{key!r}] must be a number")
+        _check_sampling(f.schema, key, value)
     return PromptGroup(
         uid=f.str("uid"),
         data_source=f.str("data_source"),
         prompt=prompt,
-        ground_truth=f.raw("ground_truth"),
+        ground_truth=f.free_form("ground_truth"),
         n=n,
-        extra=f.map("extra"),
+        extra=f.free_map("extra"),
         policy_version_min=f.int("policy_version_min", default=0),
         kind=f.choice("kind", ("train", "eval"), default="train"),
         sampling=sampling,
@@ -239,8 +350,27 @@ def _read_prompt_group(f: _Fields) -> PromptGroup:
     )
 
 
+def _check_sampling(schema: str, key: Any, value: Any) -> None:
+    """Sampling overrides must be finite numbers in the range the samplers accept."""
+    where = f"{schema}: sampling[{_short(key)}]"
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise CodecError(f"{where} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise CodecError(f"{where} must be a finite number, got {value}")
+    if key == "temperature" and value < 0:
+        raise CodecError(f"{where} must be >= 0 (0 = greedy), got {value}")
+    if key == "top_p" and not 0 < value <= 1:
+        raise CodecError(f"{where} must be in (0, 1], got {value}")
+    if key in ("top_k", "max_turns") and value != int(value):
+        raise CodecError(f"{where} must be an integer, got {value}")
+    if key == "top_k" and not -1 <= value < 2**31:
+        raise CodecError(f"{where} must be -1 or 0 (off) or a positive count, got {value}")
+    if key == "max_turns" and not 0 <= value <= MAX_TURNS:
+        raise CodecError(f"{where} must be between 0 and {MAX_TURNS}, got {value}")
+
+
 def _read_trajectory(f: _Fields) -> Trajectory:
-    response_ids = f.array("response_ids", _INT32)
+    response_ids = f.token_ids("response_ids")
     loss_mask = f.array("loss_mask", _UINT8)
     logprobs = f.array("rollout_logprobs", _FLOAT32)
     length = len(response_ids)
@@ -260,15 +390,15 @@ def _read_trajectory(f: _Fields) -> Trajectory:
         sample_id=f.str("sample_id"),
         data_source=f.str("data_source"),
         policy_version=f.int("policy_version"),
-        prompt_ids=f.array("prompt_ids", _INT32),
+        prompt_ids=f.token_ids("prompt_ids"),
         response_ids=response_ids,
         loss_mask=loss_mask,
         rollout_logprobs=logprobs,
         turns=turns,
         finish_reason=f.choice("finish_reason", FINISH_REASONS),
         num_searches=f.int("num_searches", default=0),
-        ground_truth=f.raw("ground_truth"),
-        extra=f.map("extra"),
+        ground_truth=f.free_form("ground_truth"),
+        extra=f.free_map("extra"),
         probe=_read_probe(f),
         kind=f.choice("kind", ("train", "eval"), default="train"),
         error=f.str("error", optional=True),
@@ -295,7 +425,28 @@ def _read_turns(f: _Fields, length: int) -> list[Turn]:
         if query is not None and not isinstance(query, str):
             raise CodecError(f"{f.schema}: turns[{index}] query must be a string or null")
         turns.append(Turn(start, end, action, query, version))
+    _read_turn_docs(f, turns)
     return turns
+
+
+def _read_turn_docs(f: _Fields, turns: list[Turn]) -> None:
+    """The optional `turn_docs`: per turn, null or [[doc id, title], ...] (absent: none)."""
+    raw = f.raw("turn_docs")
+    if raw is None:
+        return
+    if not isinstance(raw, list) or len(raw) != len(turns):
+        raise CodecError(f"{f.schema}: turn_docs must be a list with one entry per turn "
+                         f"({len(turns)})")
+    for index, (turn, docs) in enumerate(zip(turns, raw, strict=True)):
+        if docs is None:
+            continue
+        if not isinstance(docs, list) or not all(
+            isinstance(d, list) and len(d) == 2 and all(isinstance(x, str) for x in d)
+            for d in docs
+        ):
+            raise CodecError(f"{f.schema}: turn_docs[{index}] must be null or a list of "
+                             "[doc id, title] string pairs")
+        turn.docs = [{"id": doc_id, "title": title} for doc_id, title in docs]
 
 
 def _read_probe(f: _Fields) -> Probe | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -70,7 +71,9 @@ class StreamConnectionError(redis.ConnectionError):
 class StreamMessage:
     stream: str  # the stream key, e.g. "forage:prompts"
     id: str
-    payload: bytes
+    # None when the entry has no `payload` field (written by something other than publish);
+    # the codec says so in the dead-letter reason instead of "empty payload".
+    payload: bytes | None
     deliveries: int  # 1 on first delivery; XPENDING's count after a reclaim
 
 
@@ -146,6 +149,38 @@ for i = 4, #ARGV do
 end
 return out
 """
+
+
+# Lease renewal: reset the idle time of the ids this consumer still owns (XCLAIM ... JUSTID
+# does not count a delivery), atomically with the ownership check, so a renewal can never take
+# a message back from a consumer that reclaimed it. KEYS[1] = stream; ARGV = group, consumer,
+# ids. Returns {renewed ids, ids another consumer owns}; acked ids are in neither.
+KEEP_ALIVE_LUA = r"""
+local kept, taken = {}, {}
+for i = 3, #ARGV do
+  local entry = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)[1]
+  if entry then
+    if entry[2] == ARGV[2] then
+      redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+      kept[#kept + 1] = ARGV[i]
+    else
+      taken[#taken + 1] = ARGV[i]
+    end
+  end
+end
+return {kept, taken}
+"""
+
+
+def parse_renewal(reply: list[Any]) -> tuple[list[str], list[str]]:
+    kept, taken = reply
+    return [text(i) for i in kept or []], [text(i) for i in taken or []]
+
+
+def lease_interval(visibility_timeout_s: float) -> float:
+    """How often a lease renews: three times per visibility timeout, so two renewals in a row
+    can fail (a Redis blip, a long GC pause) before another consumer may reclaim."""
+    return max(0.05, visibility_timeout_s / 3)
 
 
 def stream_key(namespace: str, kind: str) -> str:
@@ -237,7 +272,7 @@ def split_claimed(
         message = StreamMessage(
             stream=key,
             id=entry_id,
-            payload=fields.get(PAYLOAD_FIELD, b""),
+            payload=fields.get(PAYLOAD_FIELD),
             deliveries=counts.get(entry_id, 1),
         )
         (dead if message.deliveries > max_deliveries else deliver).append(message)
@@ -246,7 +281,7 @@ def split_claimed(
 
 def new_messages(key: str, entries: list[tuple[str, dict]]) -> list[StreamMessage]:
     return [
-        StreamMessage(stream=key, id=i, payload=f.get(PAYLOAD_FIELD, b""), deliveries=1)
+        StreamMessage(stream=key, id=i, payload=f.get(PAYLOAD_FIELD), deliveries=1)
         for i, f in entries
     ]
 
@@ -268,7 +303,7 @@ def dead_fields(
         "kind": kind,
         "group": group,
         "id": message.id,
-        "payload": message.payload,
+        "payload": b"" if message.payload is None else message.payload,
         "reason": reason,
         "deliveries": str(message.deliveries),
         "ts": f"{time.time():.3f}",
@@ -419,6 +454,7 @@ class StreamsBase:
         self.namespace = namespace
         self.server = server  # an embedded server this object started, stopped by close()
         self._publish = client.register_script(PUBLISH_LUA)
+        self._keep_alive = client.register_script(KEEP_ALIVE_LUA)
         self._groups_ready: set[tuple[str, str]] = set()
         self._cursors: dict[tuple[str, str], str] = {}
 
@@ -604,18 +640,33 @@ class RedisStreams(StreamsBase):
     def keep_alive(
         self, kind: str, consumer: str, ids: list[str], group: str | None = None
     ) -> int:
-        """Reset the idle time of messages still being worked on, so none is reclaimed.
+        """Reset the idle time of messages `consumer` is still working on, so none is reclaimed.
 
-        For work that may outlast the visibility timeout; it does not count a delivery.
+        Only ids `consumer` still owns are renewed (one Lua script: an id another consumer has
+        reclaimed stays theirs); it does not count a delivery. Returns how many were renewed.
+        Work that may outlast the visibility timeout holds a `lease` instead of calling this.
         """
+        return len(self.renew(kind, consumer, ids, group)[0])
+
+    def renew(
+        self, kind: str, consumer: str, ids: list[str], group: str | None = None
+    ) -> tuple[list[str], list[str]]:
+        """`keep_alive`, returning (ids renewed, ids another consumer owns now)."""
         if not ids:
-            return 0
+            return [], []
         key, group = self.key(kind), default_group(kind, group)
-        claimed = self._retry(
+        reply = self._retry(
             f"keep_alive {key}",
-            lambda: self.client.xclaim(key, group, consumer, 0, ids, justid=True),
+            lambda: self._keep_alive(keys=[key], args=[group, consumer, *ids]),
         )
-        return len(claimed)
+        return parse_renewal(reply)
+
+    def lease(
+        self, kind: str, consumer: str, ids: list[str], group: str | None = None,
+        interval_s: float | None = None,
+    ) -> Lease:
+        """A started `Lease` on `ids`: use as `with streams.lease(...) as lease: work()`."""
+        return Lease(self, kind, consumer, ids, group, interval_s).start()
 
     def ack(self, kind: str, ids: list[str], group: str | None = None) -> int:
         if not ids:
@@ -683,3 +734,82 @@ class RedisStreams(StreamsBase):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Lease:
+    """Keeps the messages a consumer works on from being reclaimed while it works.
+
+    A daemon thread renews the ids every `interval_s` (default: a third of the visibility
+    timeout) until `stop()`; `release(ids)` drops ids once they are acked or dead-lettered.
+    Without it, work longer than `visibility_timeout_s` is reclaimed by another consumer and
+    done twice. `lost` collects ids found owned by someone else (this consumer stalled past the
+    timeout, e.g. SIGSTOP): at-least-once delivery still holds, the work may be repeated.
+    A renewal that fails (Redis unreachable through every retry) is logged and tried again at
+    the next tick; the worker itself notices an unreachable Redis on its next call.
+    """
+
+    def __init__(
+        self, streams: RedisStreams, kind: str, consumer: str, ids: list[str],
+        group: str | None = None, interval_s: float | None = None,
+    ) -> None:
+        self.streams = streams
+        self.kind = kind
+        self.consumer = consumer
+        self.group = group
+        self.interval_s = interval_s or lease_interval(streams.settings.visibility_timeout_s)
+        self.lost: set[str] = set()
+        self.renewals = 0
+        self._ids = list(dict.fromkeys(ids))
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Lease:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"lease-{self.kind}",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def release(self, ids: list[str]) -> None:
+        done = set(ids)
+        with self._lock:
+            self._ids = [i for i in self._ids if i not in done]
+
+    @property
+    def ids(self) -> list[str]:
+        with self._lock:
+            return list(self._ids)
+
+    def renew_now(self) -> list[str]:
+        """Renew once; returns the ids renewed (acked ones drop out silently)."""
+        ids = self.ids
+        if not ids:
+            return []
+        kept, taken = self.streams.renew(self.kind, self.consumer, ids, self.group)
+        self.renewals += 1
+        if taken:
+            log.warning("lease on %s: %d message(s) were reclaimed by another consumer while "
+                        "this one worked on them (stalled past visibility_timeout_s?): %s",
+                        self.streams.key(self.kind), len(taken), taken[:5])
+            self.lost.update(taken)
+        self.release([i for i in ids if i not in kept])
+        return kept
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.renew_now()
+            except Exception as exc:  # keep renewing: a lapse here means work done twice
+                log.warning("lease renewal on %s failed: %s", self.streams.key(self.kind), exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(5.0, 2 * self.interval_s))
+
+    def __enter__(self) -> Lease:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -36,11 +36,13 @@ from services.common.streams import (
     full_message,
     group_backlog,
     is_nogroup,
+    lease_interval,
     new_messages,
     parse_autoclaim,
     parse_dead,
     parse_publish_reply,
     parse_read,
+    parse_renewal,
     pending_counts,
     split_claimed,
 )
@@ -218,14 +220,27 @@ class AsyncRedisStreams(StreamsBase):
     async def keep_alive(
         self, kind: str, consumer: str, ids: list[str], group: str | None = None
     ) -> int:
+        """See `RedisStreams.keep_alive`: renews only the ids `consumer` still owns."""
+        return len((await self.renew(kind, consumer, ids, group))[0])
+
+    async def renew(
+        self, kind: str, consumer: str, ids: list[str], group: str | None = None
+    ) -> tuple[list[str], list[str]]:
         if not ids:
-            return 0
+            return [], []
         key, group = self.key(kind), default_group(kind, group)
-        claimed = await self._retry(
+        reply = await self._retry(
             f"keep_alive {key}",
-            lambda: self.client.xclaim(key, group, consumer, 0, ids, justid=True),
+            lambda: self._keep_alive(keys=[key], args=[group, consumer, *ids]),
         )
-        return len(claimed)
+        return parse_renewal(reply)
+
+    def lease(
+        self, kind: str, consumer: str, ids: list[str], group: str | None = None,
+        interval_s: float | None = None,
+    ) -> AsyncLease:
+        """`async with streams.lease(...) as lease:` — `streams.Lease` as an asyncio task."""
+        return AsyncLease(self, kind, consumer, ids, group, interval_s)
 
     async def ack(self, kind: str, ids: list[str], group: str | None = None) -> int:
         if not ids:
@@ -292,3 +307,59 @@ class AsyncRedisStreams(StreamsBase):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+class AsyncLease:
+    """`streams.Lease` for asyncio: a task renews the ids until the `async with` block ends."""
+
+    def __init__(
+        self, streams: AsyncRedisStreams, kind: str, consumer: str, ids: list[str],
+        group: str | None = None, interval_s: float | None = None,
+    ) -> None:
+        self.streams = streams
+        self.kind = kind
+        self.consumer = consumer
+        self.group = group
+        self.interval_s = interval_s or lease_interval(streams.settings.visibility_timeout_s)
+        self.lost: set[str] = set()
+        self.renewals = 0
+        self.ids = list(dict.fromkeys(ids))
+        self._task: asyncio.Task | None = None
+
+    def release(self, ids: list[str]) -> None:
+        done = set(ids)
+        self.ids = [i for i in self.ids if i not in done]
+
+    async def renew_now(self) -> list[str]:
+        ids = list(self.ids)
+        if not ids:
+            return []
+        kept, taken = await self.streams.renew(self.kind, self.consumer, ids, self.group)
+        self.renewals += 1
+        if taken:
+            log.warning("lease on %s: %d message(s) were reclaimed by another consumer: %s",
+                        self.streams.key(self.kind), len(taken), taken[:5])
+            self.lost.update(taken)
+        self.release([i for i in ids if i not in kept])
+        return kept
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.renew_now()
+            except Exception as exc:  # keep renewing; see streams.Lease
+                log.warning("lease renewal on %s failed: %s", self.streams.key(self.kind), exc)
+
+    async def __aenter__(self) -> AsyncLease:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None

@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import time
+import traceback
 from typing import Any
 
 from services.common.codec import CodecError, decode_as, encode
@@ -35,6 +36,26 @@ log = logging.getLogger("forage.rollout")
 
 def replica_name(configured: str) -> str:
     return configured or f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception as one bounded line for a dead-letter reason."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:500]}" if text else type(exc).__name__
+
+
+def _replica_fault(exc: BaseException) -> bool:
+    """Whether a failure during play is the replica's own rather than the groups': Redis or
+    backpressure (the service cannot work; it exits and is restarted), or an exception raised
+    in its between-steps work (weight sync, heartbeat), which any group would meet."""
+    import redis
+
+    from services.common.streams import BackpressureTimeout
+
+    if isinstance(exc, redis.RedisError | BackpressureTimeout):
+        return True
+    own = RolloutWorker._between_steps.__code__
+    return any(frame.f_code is own for frame, _ in traceback.walk_tb(exc.__traceback__))
 
 
 def _published(manifest: Any) -> bool:
@@ -126,36 +147,85 @@ class RolloutWorker:
     # ------------------------------------------------------------------ work
 
     def _play(self, messages: list[Any]) -> None:
-        groups: list[PromptGroup] = []
-        ids: list[Any] = []
-        for message in messages:
-            try:
-                groups.append(decode_as(message.payload, PromptGroup))
-                ids.append(message.id)
-            except CodecError as exc:
-                log.error("dead-lettering message %s: %s", message.id, exc)
-                self._streams.dead_letter("prompts", message, str(exc))
-        if not groups:
-            return
-        needed = max(group.policy_version_min for group in groups)
-        if needed > self.engine.policy_version and self.config.rollout.weight_sync:
-            self._wait_for_version(needed)
-        id_of = {id(group): message_id for group, message_id in zip(groups, ids, strict=True)}
-        self._busy = sum(group.n for group in groups)
+        """Decode, play, publish and ack one batch; one bad group never takes the others.
+
+        A record that does not decode (the codec also refuses NaN sampling values, empty
+        prompts, unbounded `n`, deep free-form fields) is dead-lettered alone with the reason.
+        If playing the batch raises, the groups not yet published are played again one at a
+        time and only a group that fails alone is dead-lettered, with the exception. Failures
+        of the replica itself (Redis, backpressure, its weight sync between steps) are not the
+        groups' fault: they propagate. The messages are leased until each group is acked, so
+        a batch slower than `redis.visibility_timeout_s` is not reclaimed and played twice.
+        """
+        with self._streams.lease("prompts", self.name, [m.id for m in messages]) as lease:
+            pending: list[tuple[PromptGroup, Any]] = []
+            for message in messages:
+                try:
+                    pending.append((decode_as(message.payload, PromptGroup), message))
+                except CodecError as exc:
+                    self._dead_letter(message, str(exc))
+            if not pending:
+                return
+            needed = max(group.policy_version_min for group, _ in pending)
+            if needed > self.engine.policy_version and self.config.rollout.weight_sync:
+                self._wait_for_version(needed)
+            started, tokens0 = time.perf_counter(), self._tokens()
+            left, error = self._play_groups(pending, lease)
+            if error is not None and len(pending) > 1:
+                log.error("playing %d groups failed (%s); playing the %d unfinished ones alone",
+                          len(pending), _describe(error), len(left))
+                for one in list(left):
+                    rest, error = self._play_groups([one], lease)
+                    if error is not None:
+                        self._dead_letter(rest[0][1], f"playing the group failed: "
+                                                      f"{_describe(error)}")
+            elif error is not None:
+                self._dead_letter(left[0][1], f"playing the group failed: {_describe(error)}")
+            elapsed = time.perf_counter() - started
+            log.info("played %d groups in %.2fs (%.0f tokens/s)", len(pending), elapsed,
+                     (self._tokens() - tokens0) / max(elapsed, 1e-9))
+            self._busy = 0
+
+    def _play_groups(self, pending: list[tuple[PromptGroup, Any]], lease: Any
+                     ) -> tuple[list[tuple[PromptGroup, Any]], Exception | None]:
+        """Play groups, publishing and acking each as it finishes; returns the groups not
+        published and the exception that stopped them (None when all were)."""
+        message_of = {id(group): message for group, message in pending}
+        left = {id(group): (group, message) for group, message in pending}
+        self._busy = sum(group.n for group, _ in pending)
         self._heartbeat(force=True)
-        started, tokens0 = time.perf_counter(), self._tokens()
 
         def publish(group: PromptGroup, trajectories: list[Trajectory]) -> None:
+            message = message_of[id(group)]
             self._streams.publish_many("rollouts", [encode(t) for t in trajectories])
-            self._streams.ack("prompts", [id_of[id(group)]])
+            self._streams.ack("prompts", [message.id])
+            lease.release([message.id])
+            left.pop(id(group), None)
             metrics.GROUPS.labels(group.kind).inc()
             self._busy -= group.n
 
-        self.loop.run(groups, on_group_done=publish)
-        elapsed = time.perf_counter() - started
-        log.info("played %d groups in %.2fs (%.0f tokens/s)", len(groups), elapsed,
-                 (self._tokens() - tokens0) / max(elapsed, 1e-9))
-        self._busy = 0
+        try:
+            self.loop.run([group for group, _ in pending], on_group_done=publish)
+        except Exception as exc:
+            if _replica_fault(exc):
+                raise
+            log.exception("playing %d group(s) failed", len(pending))
+            self._reset_engine()
+            return list(left.values()), exc
+        return [], None
+
+    def _reset_engine(self) -> None:
+        """Drop what a failed run left in the engine, so the next run starts clean."""
+        abort = getattr(self.engine, "abort_all", None)
+        if abort is not None:
+            abort()
+            return
+        while self.engine.has_unfinished():  # engines without abort_all: finish and discard
+            self.engine.step()
+
+    def _dead_letter(self, message: Any, reason: str) -> None:
+        log.error("dead-lettering prompt group %s: %s", message.id, reason)
+        self._streams.dead_letter("prompts", message, reason)
 
     def _tokens(self) -> int:
         return int(getattr(self.engine, "tokens_generated", 0))

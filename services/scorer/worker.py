@@ -1,25 +1,33 @@
 """The scorer service: rollouts stream in (group `scorer`), scored stream out (DESIGN.md 3.2).
 
-One batch: decode each message (CodecError → dead letter), decode its response tokens to text,
-score the reward and the probe samples of the whole batch in one Scorer call (math_verify in
-the worker-process pool), publish the ScoredTrajectory records, and only then ack. A record
-whose data source has no reward or whose reward raises is dead-lettered with the reason.
-Eval-kind trajectories are scored like train ones. A scorer that dies mid-batch leaves its
-messages pending; another one reclaims them after `redis.visibility_timeout_s` (at least once).
+One batch: decode each message (CodecError → dead letter; token ids must lie in the
+tokenizer's vocabulary), decode its response tokens to text, score the reward and the probe
+samples of the whole batch in one Scorer call (math_verify in the worker-process pool), publish
+the ScoredTrajectory records, and only then ack. Every stage is per record: a record that fails
+anywhere (no reward for its data source, a reward that raises or returns infinity, any
+unexpected exception) is dead-lettered alone with the reason, and its neighbours go on; if the
+batch's Scorer call itself raises, each record is scored alone. Eval-kind trajectories are
+scored like train ones. The batch's messages are leased while it is scored (`Lease`, renewed
+every third of `redis.visibility_timeout_s`), so a slow batch is not reclaimed and scored
+twice; a scorer that dies mid-batch leaves them pending and another one reclaims them after
+the timeout (at least once).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import signal
 import socket
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from services.common.codec import CodecError, decode_as, encode
+from services.common.codec import CodecError, check_token_ids, decode_as, encode
 from services.common.config import RunConfig
 from services.common.trajectory import ScoredTrajectory, Trajectory
 from services.scorer import metrics
@@ -59,12 +67,41 @@ def load_tokenizer(path: str | None, key: str = "scorer.tokenizer_path") -> Any:
     return AutoTokenizer.from_pretrained(path, **LOCAL_ONLY)
 
 
+def vocab_bound(tokenizer: Any) -> int:
+    """Token ids the scorer accepts: below the tokenizer's size, or the model's embedding rows
+    when its config.json sits beside the tokenizer (models pad their vocabulary, e.g. Qwen2.5:
+    151665 tokens, 151936 rows, and a sampler can draw a padded id)."""
+    size = len(tokenizer)
+    path = getattr(tokenizer, "name_or_path", None)
+    if path:
+        try:
+            rows = json.loads((Path(path) / "config.json").read_text()).get("vocab_size")
+            size = max(size, int(rows or 0))
+        except (OSError, ValueError, TypeError, AttributeError):
+            pass
+    return size
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception as one bounded line for a dead-letter reason."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:500]}" if text else type(exc).__name__
+
+
+class _Rejected(Exception):
+    """A record the scorer dead-letters: the message is the reason, `label` the metric's."""
+
+    def __init__(self, reason: str, label: str) -> None:
+        super().__init__(reason)
+        self.label = label
+
+
 @dataclass
 class _Item:
     message: Any
     trajectory: Trajectory
-    main: int  # index of its reward request
-    probe: list[tuple[int, int]] | None = None  # (first request, count) per fraction
+    requests: list[ScoreRequest]  # its reward, then its probe samples
+    probe_sizes: list[int] | None = None  # probe samples per fraction
 
 
 class ScorerWorker:
@@ -75,6 +112,7 @@ class ScorerWorker:
         self.tokenizer = tokenizer
         self.streams = streams
         self.name = name or config.scorer.name or f"scorer-{socket.gethostname()}-{os.getpid()}"
+        self.vocab_size = vocab_bound(tokenizer)
         self.stopping = False
         self.batches = 0
 
@@ -98,69 +136,114 @@ class ScorerWorker:
     def process(self, messages: list[Any]) -> int:
         """Score one batch; returns how many scored records were written."""
         started = time.monotonic()
-        trajectories: list[tuple[Any, Trajectory]] = []
-        for message in messages:
-            try:
-                trajectories.append((message, decode_as(message.payload, Trajectory)))
-            except CodecError as exc:
-                self._dead(message, f"undecodable record: {exc}", "undecodable")
-        texts = self._decode_texts([t for _, t in trajectories])
-        requests: list[ScoreRequest] = []
-        items: list[_Item] = []
-        for (message, trajectory), text in zip(trajectories, texts, strict=True):
-            try:
-                self.scorer.components(trajectory.data_source)
-            except KeyError as exc:
-                self._dead(message, str(exc), "unknown_data_source")
-                continue
-            item = _Item(message, trajectory, len(requests))
-            requests.append(ScoreRequest(trajectory.data_source, text, trajectory.ground_truth,
-                                         self._extra_info(trajectory)))
-            if trajectory.probe is not None:
-                suffix = default_suffix(trajectory.data_source, self.config.probe.suffix)
-                item.probe = []
-                for group in probe_texts(trajectory.probe, suffix):
-                    item.probe.append((len(requests), len(group)))
-                    requests.extend(ScoreRequest(trajectory.data_source, sample,
-                                                 trajectory.ground_truth, for_probe=True)
-                                    for sample in group)
-            items.append(item)
-        results = self.scorer.score_many(requests)
-        out: list[bytes] = []
-        ids: list[str] = []
-        rewards: dict[str, list[float]] = defaultdict(list)
-        probe_stats: list[tuple[float, float]] = []
-        for item in items:
-            main = results[item.main]
-            failed = main.error or next(
-                (results[i].error for start, n in (item.probe or [])
-                 for i in range(start, start + n) if results[i].error), None)
-            if failed:
-                self._dead(item.message, f"reward failed: {failed}", "reward_error")
-                continue
-            probe_scores = None
-            if item.probe is not None:
-                grouped = [[results[i].score for i in range(start, start + n)]
-                           for start, n in item.probe]
-                summary = summarize(item.trajectory.probe.fractions, grouped)
-                probe_scores = summary.per_fraction
-                probe_stats.append((summary.auc, summary.overconfidence))
-            record = ScoredTrajectory(item.trajectory, main.score, main.components, probe_scores)
-            out.append(encode(record))
-            ids.append(item.message.id)
-            rewards[item.trajectory.data_source].append(main.score)
-        if out:
-            self.streams.publish_many("scored", out)
-            self.streams.ack("rollouts", ids)
+        with self.streams.lease("rollouts", self.name, [m.id for m in messages]):
+            items = [item for item in map(self._prepare, messages) if item is not None]
+            out: list[bytes] = []
+            ids: list[str] = []
+            rewards: dict[str, list[float]] = defaultdict(list)
+            probe_stats: list[tuple[float, float]] = []
+            for item, results in zip(items, self._score(items), strict=True):
+                try:
+                    if isinstance(results, Exception):
+                        raise _Rejected(f"scoring failed: {_describe(results)}", "error")
+                    record, stats = self._record(item, results)
+                    payload = encode(record)
+                except _Rejected as exc:
+                    self._dead(item.message, str(exc), exc.label)
+                    continue
+                except Exception as exc:  # one record's bug must not take the batch with it
+                    log.exception("scoring %s failed", item.message.id)
+                    self._dead(item.message, f"scoring failed: {_describe(exc)}", "error")
+                    continue
+                out.append(payload)
+                ids.append(item.message.id)
+                rewards[item.trajectory.data_source].append(record.reward)
+                if stats is not None:
+                    probe_stats.append(stats)
+            if out:
+                self.streams.publish_many("scored", out)
+                self.streams.ack("rollouts", ids)
         self._observe(rewards, probe_stats, len(out), time.monotonic() - started)
         return len(out)
 
-    def _decode_texts(self, trajectories: list[Trajectory]) -> list[str]:
-        if not trajectories:
+    def _prepare(self, message: Any) -> _Item | None:
+        """Decode one message into its score requests; dead-letters it (None) when it cannot."""
+        try:
+            trajectory = decode_as(message.payload, Trajectory)
+            check_token_ids(trajectory, self.vocab_size)
+        except CodecError as exc:
+            self._dead(message, f"undecodable record: {exc}", "undecodable")
+            return None
+        try:
+            self.scorer.components(trajectory.data_source)
+        except KeyError as exc:
+            self._dead(message, str(exc), "unknown_data_source")
+            return None
+        try:
+            text = self.tokenizer.decode(trajectory.response_ids.tolist(),
+                                         skip_special_tokens=True)
+            item = _Item(message, trajectory, [ScoreRequest(
+                trajectory.data_source, text, trajectory.ground_truth,
+                self._extra_info(trajectory))])
+            if trajectory.probe is not None:
+                suffix = default_suffix(trajectory.data_source, self.config.probe.suffix)
+                item.probe_sizes = []
+                for group in probe_texts(trajectory.probe, suffix):
+                    item.probe_sizes.append(len(group))
+                    item.requests.extend(ScoreRequest(trajectory.data_source, sample,
+                                                      trajectory.ground_truth, for_probe=True)
+                                         for sample in group)
+        except Exception as exc:
+            log.exception("preparing %s failed", message.id)
+            self._dead(message, f"cannot prepare the record: {_describe(exc)}", "error")
+            return None
+        return item
+
+    def _score(self, items: list[_Item]) -> list[list[Any] | Exception]:
+        """Each item's results, from one Scorer call for the batch; if that call raises, each
+        item is scored alone, so only the items that fail alone fail."""
+        if not items:
             return []
-        return self.tokenizer.batch_decode(
-            [t.response_ids.tolist() for t in trajectories], skip_special_tokens=True
-        )
+        try:
+            flat = self.scorer.score_many([r for item in items for r in item.requests])
+        except Exception:
+            log.exception("scoring a batch of %d failed; scoring each record alone", len(items))
+        else:
+            out: list[list[Any] | Exception] = []
+            start = 0
+            for item in items:
+                out.append(flat[start:start + len(item.requests)])
+                start += len(item.requests)
+            return out
+        alone: list[list[Any] | Exception] = []
+        for item in items:
+            try:
+                alone.append(self.scorer.score_many(item.requests))
+            except Exception as exc:
+                alone.append(exc)
+        return alone
+
+    @staticmethod
+    def _record(item: _Item, results: list[Any]
+                ) -> tuple[ScoredTrajectory, tuple[float, float] | None]:
+        main = results[0]
+        failed = main.error or next((r.error for r in results[1:] if r.error), None)
+        if failed:
+            raise _Rejected(f"reward failed: {failed}", "reward_error")
+        if math.isinf(main.score):
+            raise _Rejected(f"reward failed: the reward is {main.score} (must be finite, or "
+                            "NaN for none)", "reward_error")
+        probe_scores, stats = None, None
+        if item.probe_sizes is not None:
+            grouped, start = [], 1
+            for size in item.probe_sizes:
+                grouped.append([r.score for r in results[start:start + size]])
+                start += size
+            summary = summarize(item.trajectory.probe.fractions, grouped)
+            probe_scores = summary.per_fraction
+            stats = (summary.auc, summary.overconfidence)
+        record = ScoredTrajectory(item.trajectory, main.score, main.components, probe_scores)
+        return record, stats
 
     @staticmethod
     def _extra_info(trajectory: Trajectory) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from services.common.codec import (
     SCHEMA_SCORED,
     SCHEMA_TRAJECTORY,
     CodecError,
+    check_token_ids,
     decode,
     decode_as,
     encode,
@@ -39,6 +40,16 @@ messages = st.lists(
     min_size=1,
     max_size=3,
 )
+# A prompt must hold some text (an empty one is refused at decode).
+prompt_text = st.text(max_size=40).filter(str.strip)
+prompts = prompt_text | messages.filter(lambda ms: "".join(m["content"] for m in ms).strip())
+# Sampling overrides within the ranges the codec accepts.
+sampling_values = st.fixed_dictionaries({}, optional={
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0, 1, exclude_min=True),
+    "top_k": st.integers(-1, 100),
+    "max_turns": st.integers(0, 10),
+})
 
 
 @st.composite
@@ -130,13 +141,13 @@ def test_scored_round_trip(traj, reward, components, probe_scores) -> None:
 @settings(max_examples=100, deadline=None)
 @given(
     st.text(min_size=1, max_size=20),
-    messages | text,
+    prompts,
     json_value,
     st.integers(1, 64),
     st.dictionaries(text, json_value, max_size=3),
     st.integers(0, 100),
     st.sampled_from(["train", "eval"]),
-    st.dictionaries(st.sampled_from(["temperature", "top_p", "max_turns"]), st.floats(0, 2)),
+    sampling_values,
 )
 def test_prompt_group_round_trip(uid, prompt, truth, n, extra, version, kind, sampling) -> None:
     group = PromptGroup(uid, "nq", prompt, truth, n, extra, version, kind, sampling, attempt=2)
@@ -174,6 +185,17 @@ def _trajectory(response=(5, 6, 7), mask=(1, 0, 1), logprobs=(-1.0, 0.0, -2.0)) 
     )
 
 
+def _ids(values) -> bytes:
+    return np.asarray(values, dtype="<i4").tobytes()
+
+
+def _nested(depth: int):
+    value = "x"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 def _mutated(change) -> bytes:
     body = msgpack.unpackb(encode(_trajectory()), raw=False)
     change(body)
@@ -184,7 +206,11 @@ def _mutated(change) -> bytes:
     ("payload", "message"),
     [
         (b"\xc1\xff garbage", "not a msgpack payload"),
-        (b"", "not a msgpack payload"),
+        (b"", "payload is empty"),
+        (None, "no 'payload' field"),
+        (b"\xc1" * 1000, r"not a msgpack payload \(1000 bytes\): FormatError \(a byte"),
+        (b"\x91" * 5000, "StackError \\(nested deeper"),
+        (b"\x00\x00", "ExtraData"),
         (msgpack.packb([1, 2, 3]), "must be a map"),
         (msgpack.packb({"schema": "forage.trajectory/99"}), "unknown schema"),
         (msgpack.packb({"uid": "x"}), "unknown schema"),
@@ -205,6 +231,14 @@ def _mutated(change) -> bytes:
             "'reward' must be a number",
         ),
         (_mutated(lambda b: b.update(schema=SCHEMA_SCORED)), "missing field 'reward'"),
+        (_mutated(lambda b: b.update(response_ids=_ids([5, -1, 7]))),
+         r"response_ids holds a negative token id \(-1\) at position 1"),
+        (_mutated(lambda b: b.update(prompt_ids=_ids([-(2**31)]))), "prompt_ids holds a negative"),
+        (_mutated(lambda b: b.update(ground_truth=_nested(33))),
+         "field 'ground_truth' is nested too deep"),
+        (_mutated(lambda b: b.update(ground_truth=_nested(1023))), "nested too deep"),
+        (_mutated(lambda b: b.update(extra={"k": {"a": _nested(40)}})),
+         "field 'extra' is nested too deep"),
     ],
 )
 def test_bad_payloads_raise_codec_error(payload: bytes, message: str) -> None:
@@ -215,10 +249,26 @@ def test_bad_payloads_raise_codec_error(payload: bytes, message: str) -> None:
 def test_prompt_group_validation() -> None:
     good = msgpack.unpackb(encode(PromptGroup("u", "nq", "q?", None, n=2)), raw=False)
     for change, message in [
-        ({"n": 0}, "'n' must be >= 1"),
+        ({"n": 0}, "'n' must be between 1 and 4096, got 0"),
+        ({"n": 10**9}, "'n' must be between 1 and 4096"),
         ({"prompt": [{"role": "user"}]}, "need string 'role' and 'content'"),
         ({"prompt": 7}, "'prompt' must be a string or a list"),
+        ({"prompt": ""}, "'prompt' is empty"),
+        ({"prompt": " \n"}, "'prompt' is empty"),
+        ({"prompt": []}, "'prompt' is empty"),
+        ({"prompt": [{"role": "user", "content": ""}]}, "'prompt' is empty"),
         ({"sampling": {"temperature": "hot"}}, "sampling"),
+        ({"sampling": {"temperature": math.nan}}, r"sampling\['temperature'\] must be a finite"),
+        ({"sampling": {"temperature": -0.5}}, r"'temperature'\] must be >= 0"),
+        ({"sampling": {"top_k": math.inf}}, r"'top_k'\] must be a finite"),
+        ({"sampling": {"top_k": 2.5}}, r"'top_k'\] must be an integer"),
+        ({"sampling": {"top_k": -2}}, r"'top_k'\] must be -1 or 0"),
+        ({"sampling": {"top_p": 0.0}}, r"'top_p'\] must be in \(0, 1\]"),
+        ({"sampling": {"top_p": 1.5}}, r"'top_p'\] must be in"),
+        ({"sampling": {"max_turns": 1e300}}, r"'max_turns'\] must be between 0 and"),
+        ({"sampling": {"custom": -math.inf}}, r"'custom'\] must be a finite"),
+        ({"ground_truth": _nested(33)}, "'ground_truth' is nested too deep"),
+        ({"extra": {"a": _nested(33)}}, "'extra' is nested too deep"),
     ]:
         with pytest.raises(CodecError, match=message):
             decode(msgpack.packb({**good, **change}))
@@ -242,3 +292,22 @@ def test_decoded_arrays_have_documented_dtypes() -> None:
     assert decoded.rollout_logprobs.dtype == np.float32
     assert decoded.num_policy_tokens == 2
     assert decoded.num_invalid == 0
+
+
+def test_nesting_at_the_limit_is_accepted_and_encode_refuses_deeper() -> None:
+    traj = _trajectory()
+    traj.ground_truth = _nested(32)  # 32 lists, one inside the other: the limit
+    assert decode_as(encode(traj), Trajectory).ground_truth == traj.ground_truth
+    traj.ground_truth = _nested(33)
+    with pytest.raises(CodecError, match="nested too deep"):
+        encode(traj)
+
+
+def test_check_token_ids_bounds_ids_by_the_consumers_vocabulary() -> None:
+    traj = decode_as(encode(_trajectory(response=(5, 6, 700))), Trajectory)
+    check_token_ids(traj, 701)
+    with pytest.raises(CodecError, match=r"response_ids holds token id 700 at position 2, "
+                                         r"outside the vocabulary \(700 ids\)"):
+        check_token_ids(traj, 700)
+    with pytest.raises(CodecError, match="prompt_ids holds token id 2"):
+        check_token_ids(ScoredTrajectory(traj, 1.0), 2)
