@@ -267,7 +267,8 @@ def assert_binds_every_interface(box: Box, net: Network) -> None:
     procs += procs[0].children(recursive=True)
     listening: dict[int, set[str]] = {}
     for proc in procs:
-        for conn in proc.net_connections(kind="inet"):
+        connections = getattr(proc, "net_connections", None) or proc.connections  # psutil<6
+        for conn in connections(kind="inet"):
             if conn.status == psutil.CONN_LISTEN:
                 listening.setdefault(conn.laddr.port, set()).add(conn.laddr.ip)
     for port in box.ports:
