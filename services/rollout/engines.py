@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from services.common.paths import require_model_dir, require_tokenizer_dir
 from services.rollout.vllm_worker import EXTENSION_CLASS
 
 # EngineArgs fields Forage sets from its own keys; `rollout.vllm_engine_args` may not override
@@ -51,8 +52,10 @@ def vllm_engine_kwargs(rollout: Any, model: Any) -> dict[str, Any]:
 def make_engine(config: Any) -> Any:
     """`config` is a RunConfig: model.path, rollout.engine/device/dtype/max_batch_size/seed."""
     rollout, model = config.rollout, config.model
-    if not model.path:
-        raise ValueError("model.path is not set: the rollout engine needs a model directory")
+    # One line naming the key and the path (exit 2), for every engine, before any loading.
+    require_model_dir(model.path, "model.path")
+    if model.tokenizer_path:
+        require_tokenizer_dir(model.tokenizer_path, "model.tokenizer_path")
     if rollout.engine == "vllm":
         from services.rollout.vllm_engine import VLLMEngine
 

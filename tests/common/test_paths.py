@@ -76,7 +76,9 @@ def _one_line(result: subprocess.CompletedProcess) -> str:
 @pytest.mark.parametrize("command", [
     ["learner", "train"], ["rollout", "serve"], ["scorer", "serve"],
     ["learner", "sft", "--data", "demos.parquet"],
-], ids=["learner-train", "rollout-serve", "scorer-serve", "learner-sft"])
+    # The vLLM engine is chosen before anything imports vllm: the path check comes first.
+    ["rollout", "serve", "--set", "rollout.engine=vllm"],
+], ids=["learner-train", "rollout-serve", "scorer-serve", "learner-sft", "rollout-serve-vllm"])
 def test_missing_model_dir_is_one_line_and_exit_2(tmp_path, command) -> None:
     train = _rl_parquet(tmp_path / "train.parquet")
     config = _config(tmp_path, "missing/model", train_files=[train])
