@@ -61,7 +61,8 @@ BUILTIN_FUNCTIONS: dict[str, RewardFunction] = {
     ),
     "countdown": RewardFunction("countdown", f"{FUNCTIONS_MODULE}:countdown", builtin=True,
                                 probe_options={"format_score": 0.0}),
-    # Probe samples end in "\boxed{n}" (the math suffix), so they are read flexibly.
+    # Probe samples are one "\n#### n" line (docs/probe.md); read flexibly (the last number),
+    # so a boxed `probe.suffix` override scores too.
     "gsm8k": RewardFunction("gsm8k", f"{FUNCTIONS_MODULE}:gsm8k", builtin=True,
                             probe_options={"format_score": 0.0, "method": "flexible"}),
     "math_verify": RewardFunction("math_verify", f"{FUNCTIONS_MODULE}:math_verify",
