@@ -76,6 +76,17 @@ def passages_to_string(results: Sequence[Mapping[str, Any]]) -> str:
     return "".join(lines)
 
 
+def doc_refs(results: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """`[{"id", "title"}]` of one query's /retrieve results (either shape), best first; the
+    title is the first line of `contents` without its quotes."""
+    refs = []
+    for item in results:
+        doc = item["document"] if "document" in item else item
+        title = str(doc.get("contents", "")).split("\n", 1)[0].strip().strip('"')
+        refs.append({"id": str(doc.get("id", "")), "title": title})
+    return refs
+
+
 def information_block(results: Sequence[Mapping[str, Any]]) -> str:
     """The observation appended after a search action."""
     return "\n\n<information>" + passages_to_string(results).strip() + "</information>\n\n"

@@ -61,6 +61,9 @@ class Turn:
     action: Action
     query: str | None = None
     policy_version: int = 0
+    # The documents a search turn retrieved, best first: [{"id": ..., "title": ...}] (None for
+    # other turns). Carried for the samples researchers read (learner.log_samples_every).
+    docs: list[dict[str, str]] | None = None
 
 
 @dataclass

@@ -31,6 +31,7 @@ import json
 import logging
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,8 @@ from services.learner.prompts import (
     load_dataset,
 )
 from services.learner.rl_batch import assign_advantages, check_estimator, samples_of
+from services.learner.samples import SampleLog
+from services.learner.trackers import TrackerSet, check_trackers, open_trackers
 
 log = logging.getLogger("forage.learner.loop")
 
@@ -147,6 +150,7 @@ class LearnerLoop:
         check_estimator(learner.adv_estimator)
         check_inputs(cfg)  # every input path, before the model is loaded
         check_dataset_sources(cfg)  # every data_source has a reward function
+        check_trackers(learner.logger)  # a chosen tracker's library is installed
         self.cfg = cfg
         self.learner = learner
         self.resume = resume
@@ -173,6 +177,9 @@ class LearnerLoop:
         self.filtered_in_a_row = 0
         self.last_lag_update = 0.0
         self.consumer = "learner-0"
+        self.tokenizer: Any = None
+        self.trackers: TrackerSet | None = None  # learner.logger (trackers.py)
+        self.sample_log: SampleLog | None = None  # RUN_DIR/samples.jsonl (samples.py)
 
     # ================================================================== set-up
 
@@ -186,6 +193,7 @@ class LearnerLoop:
         tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.tokenizer_path
                                                   or self.cfg.model.path, **LOCAL_ONLY)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.tokenizer = tokenizer  # rank 0 decodes the samples it logs
         self.trainer = PolicyTrainer(
             self.cfg.model.path, self.learner,
             use_ref=opt.use_kl_loss or opt.use_kl_in_reward,
@@ -246,6 +254,10 @@ class LearnerLoop:
             old = self.metrics_path.with_name(f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
             self.metrics_path.rename(old)
             log.warning("run dir already had metrics from another run: moved them to %s", old)
+        self.trackers = open_trackers(learner.logger, self.run_dir, cfg.run_id,
+                                      cfg.model_dump(mode="json"), resumed_step=self.state.step)
+        self.sample_log = SampleLog(self.run_dir, self.tokenizer, learner.log_samples_n,
+                                    self.trackers, resumed_step=self.state.step)
         self.streams = RedisStreams.from_config(cfg.redis)
         for kind in ("prompts", "rollouts", "scored"):
             self.streams.ensure_group(kind)
@@ -319,6 +331,8 @@ class LearnerLoop:
         return bool(limit) and time.monotonic() - self.started > limit
 
     def _shutdown(self) -> None:
+        if self.trackers is not None:
+            self.trackers.close()
         if self.server is not None:
             self.server.stop()
         if self.metrics_server is not None:
@@ -484,6 +498,9 @@ class LearnerLoop:
                        "throughput/trajectories": len(items)})
         self._write_metrics(record)
         self._export_prometheus(record, step_s)
+        every = learner.log_samples_every
+        if every and self.state.step % every == 0 and self.sample_log is not None:
+            self.sample_log.write(items, self.state.step, "train")
         log.info("step %d/%d  reward %.3f  em %.3f  searches %.2f  staleness %.2f  %.1fs "
                  "(wait %.1fs, train %.1fs)", self.state.step, learner.total_steps,
                  record.get("reward/mean", 0.0), record.get("em/mean", 0.0),
@@ -569,6 +586,8 @@ class LearnerLoop:
         self.state.metrics_history.append(clean)
         with self.metrics_path.open("a") as fh:
             fh.write(json.dumps(clean) + "\n")
+        if self.trackers is not None:
+            self.trackers.log_metrics(clean)
 
     def _export_prometheus(self, record: dict[str, Any], step_s: float) -> None:
         M.STEP.set(self.state.step)
@@ -621,7 +640,11 @@ class LearnerLoop:
                                   "eval/reward": metrics.get("eval/reward/mean"),
                                   "eval/seconds": time.monotonic() - started}
         record.update(metrics)
+        for source, count in Counter(i.trajectory.data_source for i in items).items():
+            record[f"eval/n/{source}"] = count  # the n behind each per-source EM's interval
         self._write_metrics(record)
+        if self.sample_log is not None:
+            self.sample_log.write(items, step, "eval")
         if record["eval/em"] is not None:
             M.EVAL_EM.set(record["eval/em"])
         self.eval_pending = set()

@@ -31,6 +31,7 @@ from typing import Any, Literal
 from services.common.formats import (
     CORRECTIVE_MESSAGE,
     STOP_STRINGS,
+    doc_refs,
     information_block,
     parse_action,
 )
@@ -389,6 +390,8 @@ class AgentLoop:
                 state.searches += 1
                 metrics.SEARCHES.inc()
                 observation = information_block(docs)
+                if state.turns:  # the search turn that asked: keep what it got (samples)
+                    state.turns[-1].docs = doc_refs(docs)
             if self._append_observation(state, observation):
                 self._continue(state, deferred, lockstep)
             else:

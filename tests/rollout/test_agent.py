@@ -6,7 +6,12 @@ import time
 
 import httpx
 
-from services.common.formats import CORRECTIVE_MESSAGE, PROBE_SUFFIX_TAGGED, information_block
+from services.common.formats import (
+    CORRECTIVE_MESSAGE,
+    PROBE_SUFFIX_TAGGED,
+    doc_refs,
+    information_block,
+)
 from services.common.trajectory import PromptGroup
 from services.rollout.agent import AgentLoop, LoopSettings
 from services.rollout.probe import ProbeSettings, cut_points
@@ -71,6 +76,9 @@ def test_scripted_trajectory_exact_observation_bytes_and_mask(engine, retriever_
     assert policy == [TURN_SEARCH, TURN_ANSWER]
     assert [(t.action, t.query) for t in traj.turns] == [("search", "Brixol"), ("answer", "Corvale")]
     assert [(t.start, t.end) for t in traj.turns] == spans(traj.loss_mask, 1)
+    # the search turn keeps the ids/titles of what it retrieved (samples.jsonl shows them)
+    assert traj.turns[0].docs == doc_refs(docs) and len(traj.turns[0].docs) == 2
+    assert traj.turns[1].docs is None
     # behaviour log-probs: real on policy tokens, 0 on observation tokens
     lp = traj.rollout_logprobs
     assert all(lp[i] == 0.0 for a, b in masked for i in range(a, b))
