@@ -62,7 +62,7 @@ from services.learner.checkpoint import (
     save_checkpoint,
     trim_metrics,
 )
-from services.learner.loop_state import GroupLedger
+from services.learner.loop_state import GroupLedger, baseline_uid
 from services.learner.packing import Sample
 from services.learner.prompts import (
     PromptSource,
@@ -70,7 +70,12 @@ from services.learner.prompts import (
     group_from_row,
     load_dataset,
 )
-from services.learner.rl_batch import assign_advantages, check_estimator, samples_of
+from services.learner.rl_batch import (
+    apply_rollout_correction,
+    assign_advantages,
+    check_estimator,
+    samples_of,
+)
 from services.learner.samples import SampleLog
 from services.learner.trackers import TrackerSet, check_trackers, open_trackers
 
@@ -147,7 +152,9 @@ def check_inputs(cfg: RunConfig) -> None:
 class LearnerLoop:
     def __init__(self, cfg: RunConfig, *, resume: bool = False) -> None:
         learner = cfg.learner
-        check_estimator(learner.adv_estimator)
+        check_estimator(learner.adv_estimator,
+                        AlgorithmSettings.model_validate(dict(learner.algorithm)),
+                        cfg.data.n_samples)
         check_inputs(cfg)  # every input path, before the model is loaded
         check_dataset_sources(cfg)  # every data_source has a reward function
         check_trackers(learner.logger)  # a chosen tracker's library is installed
@@ -202,6 +209,8 @@ class LearnerLoop:
             gradient_checkpointing=self.cfg.model.gradient_checkpointing,
             updates_per_step=rl_updates_per_step(self.learner, self.cfg.data.n_samples),
         )
+        # Dr. GRPO's divisor (seq-mean-token-sum-norm): the run's constant, not a micro-batch's.
+        self.trainer.max_response_length = self.cfg.rollout.max_response_length
         self.bnpo_state = opt.make_bnpo_state() if self.learner.adv_estimator == "bnpo" else None
         self.kl_controller = opt.make_kl_controller() if opt.use_kl_in_reward else None
 
@@ -365,6 +374,18 @@ class LearnerLoop:
         return group_from_row(self.train_rows[row_index], uid, self.cfg.data.n_samples,
                               policy_version_min=version_min, attempt=attempt)
 
+    @property
+    def _greedy_baselines(self) -> bool:
+        """ReMax: every group also gets one greedy sample, its reward the baseline."""
+        return self.learner.adv_estimator == "remax"
+
+    def _baseline_group(self, uid: str, row_index: int, attempt: int, version_min: int) -> Any:
+        """ReMax's greedy sample for group `uid`: a train-kind group of one at temperature 0
+        under `baseline_uid(uid)`; the ledger holds it beside the group, never trains on it."""
+        return group_from_row(self.train_rows[row_index], baseline_uid(uid), 1,
+                              policy_version_min=version_min, attempt=attempt,
+                              sampling={"temperature": 0.0})
+
     def _issue(self, version_min: int | None = None) -> int:
         """Re-issue what is due, then admit new groups up to the capacity."""
         assert self.ledger is not None and self.source is not None
@@ -373,6 +394,8 @@ class LearnerLoop:
         poll = self.ledger.poll(now)
         groups = [self._train_group(r.uid, int(r.meta["row"]), r.attempt, version_min)
                   for r in poll.reissue]
+        groups += [self._baseline_group(r.uid, int(r.meta["row"]), r.attempt, version_min)
+                   for r in poll.reissue if r.baseline_missing]
         for r in poll.reissue:
             M.GROUPS.labels(f"reissued_{r.reason}").inc()
             log.info("re-issuing group %s (attempt %d, %s)", r.uid, r.attempt, r.reason)
@@ -381,8 +404,11 @@ class LearnerLoop:
             log.warning("giving up group %s after %d attempts", uid, self.learner.max_attempts)
         for _ in range(self.ledger.admissible()):
             uid, row = self.source.next()
-            self.ledger.issue(uid, self.cfg.data.n_samples, now=now, meta={"row": row})
+            self.ledger.issue(uid, self.cfg.data.n_samples, now=now, meta={"row": row},
+                              baseline=self._greedy_baselines)
             groups.append(self._train_group(uid, row, 0, version_min))
+            if self._greedy_baselines:
+                groups.append(self._baseline_group(uid, row, 0, version_min))
             M.GROUPS.labels("issued").inc()
         self._publish_groups(groups)
         M.IN_FLIGHT.set(self.ledger.in_flight)
@@ -468,10 +494,12 @@ class LearnerLoop:
         self.filtered_in_a_row = 0
         t_wait = time.monotonic() - t0
         items = [s for group in batch for s in group.samples]
-        samples = samples_of(items, step_rows=self.options.step_rows)
+        samples = samples_of(items, step_rows=self.options.step_rows,
+                             mask_truncated=self.options.mask_truncated_completions)
+        baselines = {g.uid: float(g.baseline.reward) for g in batch if g.baseline is not None}
         t1 = time.monotonic()
         _broadcast_command(CMD_STEP)
-        train_metrics, adv_metrics = self._train_collective(samples, items)
+        train_metrics, adv_metrics = self._train_collective(samples, items, baselines)
         t_train = time.monotonic() - t1
         current = self.version
         self.state.step += 1
@@ -496,6 +524,9 @@ class LearnerLoop:
                        "timing/publish_s": t_publish, "timing/step_s": step_s,
                        "throughput/trained_tokens_per_s": tokens / max(t_train, 1e-9),
                        "throughput/trajectories": len(items)})
+        if baselines:  # ReMax: the greedy samples, counted apart and never trained on
+            record.update({"remax/baseline_reward_mean": float(np.mean(list(baselines.values()))),
+                           "throughput/baseline_trajectories": len(baselines)})
         self._write_metrics(record)
         self._export_prometheus(record, step_s)
         every = learner.log_samples_every
@@ -514,15 +545,23 @@ class LearnerLoop:
         return True
 
     def _train_collective(
-        self, samples: list[Sample] | None, items: list[ScoredTrajectory] | None
+        self, samples: list[Sample] | None, items: list[ScoredTrajectory] | None,
+        reward_baselines: dict[str, float] | None = None,
     ) -> tuple[dict[str, float], dict[str, float]]:
-        """Everything in one step that every rank must run: log-probs, advantages, update."""
+        """Everything in one step that every rank must run: log-probs, rollout correction,
+        advantages, update. `reward_baselines`: ReMax's greedy rewards by group uid (rank 0)."""
+        from services.learner.algorithms.registry import NEEDS_POLICY_STATS
         from services.learner.trainer import broadcast_samples
 
         trainer = self.trainer
         samples = broadcast_samples(samples)
         if self._needs_old_logprobs(len(samples)):
-            trainer.compute_log_probs(samples, "policy")
+            trainer.compute_log_probs(
+                samples, "policy",
+                sum_pi_squared=self.learner.adv_estimator in NEEDS_POLICY_STATS)
+        if self.options.uses_bypass and any("rollout_logprobs" not in s.fields for s in samples):
+            raise ValueError("bypass_mode needs every trajectory's rollout_logprobs")
+        correction = apply_rollout_correction(samples, self.options)  # every rank, same result
         if trainer.ref is not None:
             trainer.compute_log_probs(samples, "ref")
         if trainer.critic is not None:
@@ -533,8 +572,9 @@ class LearnerLoop:
             adv_metrics = assign_advantages(
                 samples, items, self.options, self.learner.adv_estimator,
                 bnpo_state=self.bnpo_state, kl_controller=self.kl_controller,
-                overconf_coeff=self.cfg.probe.overconf_coeff,
+                overconf_coeff=self.cfg.probe.overconf_coeff, reward_baselines=reward_baselines,
             )
+            adv_metrics.update(correction)
         broadcast_fields(samples, ("advantages", "returns"))
         metrics = trainer.rl_step(samples)
         return metrics, adv_metrics
@@ -546,10 +586,16 @@ class LearnerLoop:
         computed, so the old log-probs equal the current ones (detached), which the loss uses
         when `old_logprobs` is absent: the pass would cost a third of the step for nothing.
         """
-        learner = self.learner
+        from services.learner.algorithms.registry import NEEDS_POLICY_STATS
+
+        learner, opt = self.learner, self.options
+        if learner.adv_estimator in NEEDS_POLICY_STATS or opt.uses_rollout_correction:
+            return True  # their inputs: the old policy's log-probs (and sum of p^2)
+        if opt.uses_bypass:  # verl bypass: the rollout's log-probs stand in for the old ones
+            return opt.use_kl_in_reward
         single_update = learner.ppo_epochs == 1 and (
             learner.mini_batch_size == 0 or learner.mini_batch_size >= batch)
-        return not single_update or self.options.use_kl_in_reward
+        return not single_update or opt.use_kl_in_reward
 
     # ================================================================== weights, checkpoints
 

@@ -31,6 +31,14 @@ Rules (issue 7, "The loop"):
   for re-issue (reason ``error``), within the same attempt limit.
 * Batches are formed from complete groups (n distinct samples) in completion order.
 
+* Greedy baselines (ReMax): a group issued with ``baseline=True`` also waits for one greedy
+  trajectory published under the uid ``baseline_uid(uid)`` (sample index 0). It is held beside
+  the group's samples, never among them: the group is complete only with n samples AND its
+  baseline, ``CompleteGroup.baseline`` hands it over for the advantage and nothing trains on
+  it. It follows the same rules as a sample (staleness, duplicates, errors, re-issue: a
+  ``Reissue`` says whether the baseline is still missing) and is counted apart
+  (``baselines`` instead of ``accepted``), so ``accepted`` still counts trained trajectories.
+
 Checkpoint: ``to_dict()`` holds plain JSON types only. Held trajectories are not serialised (they
 are large arrays and the ledger must stay codec-free); ``from_dict()`` therefore brings every
 in-flight group back empty and flagged for re-issue (reason ``resume``), and counts the samples
@@ -53,6 +61,7 @@ COUNTERS: tuple[str, ...] = (
     "trained",  # groups handed to the trainer by take_batch
     "dropped_groups",  # groups given up (attempt limit or explicit drop, e.g. group filter)
     "accepted",  # trajectories stored
+    "baselines",  # greedy baseline trajectories stored (ReMax; never trained on)
     "dropped_stale",  # trajectories dropped for staleness (on arrival or on version advance)
     "duplicates",  # trajectories whose (uid, sample index) was already held
     "unknown",  # trajectories for uids not in flight
@@ -76,6 +85,14 @@ def admissible(in_flight: int, max_staleness: int, train_batch_size: int) -> int
     if in_flight < 0:
         raise ValueError(f"in_flight must be >= 0, got {in_flight}")
     return max(0, admission_capacity(max_staleness, train_batch_size) - in_flight)
+
+
+BASELINE_SUFFIX = "@greedy"
+
+
+def baseline_uid(uid: str) -> str:
+    """The uid of a group's greedy baseline (ReMax): its own prompt group of one sample."""
+    return f"{uid}{BASELINE_SUFFIX}"
 
 
 def sample_index(sample_id: str) -> int | None:
@@ -112,10 +129,14 @@ class GroupRecord:
     samples: dict[int, Any] = field(default_factory=dict)
     # Why the group must be re-issued at the next poll (None: it need not be).
     reissue_reason: str | None = None
+    # ReMax: whether the group waits for a greedy baseline trajectory, and the one held.
+    baseline: bool = False
+    baseline_item: Any = None
 
     @property
     def complete(self) -> bool:
-        return len(self.samples) >= self.n
+        return len(self.samples) >= self.n and (not self.baseline
+                                                or self.baseline_item is not None)
 
 
 @dataclass
@@ -127,6 +148,7 @@ class Reissue:
     attempt: int
     reason: str
     meta: dict[str, Any]
+    baseline_missing: bool = False  # ReMax: publish the greedy baseline group again too
 
 
 @dataclass
@@ -144,6 +166,7 @@ class CompleteGroup:
     attempt: int
     issued_version: int
     meta: dict[str, Any]
+    baseline: Any = None  # ReMax: the greedy baseline trajectory (not to be trained on)
 
 
 class GroupLedger:
@@ -187,9 +210,11 @@ class GroupLedger:
         return admissible(self.in_flight, self.max_staleness, self.train_batch_size)
 
     def issue(
-        self, uid: str, n: int, *, now: float, meta: dict[str, Any] | None = None
+        self, uid: str, n: int, *, now: float, meta: dict[str, Any] | None = None,
+        baseline: bool = False,
     ) -> GroupRecord:
-        """Record a first issue of `uid` (attempt 0) at the current version."""
+        """Record a first issue of `uid` (attempt 0) at the current version; with `baseline`
+        the group also waits for its greedy baseline (published as `baseline_uid(uid)`)."""
         if uid in self.groups:
             raise ValueError(f"group {uid!r} is already in flight")
         if n < 1:
@@ -200,7 +225,7 @@ class GroupLedger:
             )
         record = GroupRecord(
             uid=uid, n=n, issued_version=self.current_version, issue_time=now,
-            meta=dict(meta or {}),
+            meta=dict(meta or {}), baseline=baseline,
         )
         self.groups[uid] = record
         self.counters["issued"] += 1
@@ -210,13 +235,28 @@ class GroupLedger:
     def _stale(self, policy_version: int) -> bool:
         return policy_version < self.current_version - self.max_staleness
 
+    def _baseline_record(self, uid: str) -> GroupRecord | None:
+        """The group whose greedy baseline `uid` is, if it waits for one."""
+        if not uid.endswith(BASELINE_SUFFIX):
+            return None
+        record = self.groups.get(uid[: -len(BASELINE_SUFFIX)])
+        return record if record is not None and record.baseline else None
+
     def _triage(self, item: Any) -> tuple[str | None, Any, GroupRecord | None, int]:
         """The outcome that needs no decision (unknown / malformed / duplicates), else None
-        with the trajectory, its group and its sample index."""
+        with the trajectory, its group and its sample index (-2: the greedy baseline)."""
         traj = _trajectory_of(item)
-        record = self.groups.get(str(traj.uid))
+        uid = str(traj.uid)
+        record = self.groups.get(uid)
         if record is None:
-            return "unknown", traj, None, -1
+            record = self._baseline_record(uid)
+            if record is None:
+                return "unknown", traj, None, -1
+            if sample_index(traj.sample_id) != 0:
+                return "malformed", traj, record, -1
+            if record.baseline_item is not None:
+                return "duplicates", traj, record, -2
+            return None, traj, record, -2
         index = sample_index(traj.sample_id)
         if index is None or index >= record.n:
             return "malformed", traj, record, -1
@@ -237,6 +277,12 @@ class GroupLedger:
                 # The index is missing, so the group is incomplete: it needs a re-issue.
                 outcome = "dropped_stale"
                 record.reissue_reason = record.reissue_reason or "stale"
+            elif index == -2:
+                outcome = "baselines"
+                record.baseline_item = item
+                if record.complete:
+                    record.reissue_reason = None
+                    self._ready[record.uid] = None
             else:
                 outcome = "accepted"
                 record.samples[index] = item
@@ -273,6 +319,10 @@ class GroupLedger:
             ]
             for index in stale:
                 del record.samples[index]
+            held = record.baseline_item
+            if held is not None and self._stale(int(_trajectory_of(held).policy_version)):
+                record.baseline_item = None
+                stale.append(-2)
             if stale:
                 dropped += len(stale)
                 self._ready.pop(record.uid, None)
@@ -318,7 +368,8 @@ class GroupLedger:
             self.counters[f"reissued_{reason}"] += 1
             result.reissue.append(
                 Reissue(uid=uid, n=record.n, attempt=record.attempt, reason=reason,
-                        meta=dict(record.meta))
+                        meta=dict(record.meta),
+                        baseline_missing=record.baseline and record.baseline_item is None)
             )
         return result
 
@@ -348,7 +399,7 @@ class GroupLedger:
                 CompleteGroup(
                     uid=uid, samples=[record.samples[i] for i in sorted(record.samples)],
                     attempt=record.attempt, issued_version=record.issued_version,
-                    meta=dict(record.meta),
+                    meta=dict(record.meta), baseline=record.baseline_item,
                 )
             )
             self._finish(uid)
@@ -392,7 +443,8 @@ class GroupLedger:
                 {
                     "uid": r.uid, "n": r.n, "issued_version": r.issued_version,
                     "issue_time": r.issue_time, "attempt": r.attempt, "meta": dict(r.meta),
-                    "held": len(r.samples), "reissue_reason": r.reissue_reason,
+                    "held": len(r.samples) + (r.baseline_item is not None),
+                    "reissue_reason": r.reissue_reason, "baseline": r.baseline,
                 }
                 for r in self.groups.values()
             ],
@@ -416,6 +468,7 @@ class GroupLedger:
                 issue_time=float(g["issue_time"]), attempt=int(g["attempt"]),
                 meta=dict(g.get("meta") or {}),
                 reissue_reason=g.get("reissue_reason") or "resume",
+                baseline=bool(g.get("baseline", False)),
             )
             ledger.groups[record.uid] = record
             ledger.counters["discarded_on_resume"] += int(g.get("held", 0))

@@ -40,6 +40,8 @@ TOKEN_FIELDS: tuple[str, ...] = (
     "ref_logprobs",
     "values",
     "step_index",  # the turn (step) each response token belongs to; rllm's per-step loss rows
+    "rollout_is_weights",  # rollout correction's importance weights (rl_batch.py)
+    "sum_pi_squared",  # sum_v p(v)^2 per token, for the optimal token baselines
 )
 
 

@@ -19,6 +19,7 @@ import torch
 from services.common.trajectory import ScoredTrajectory
 from services.learner import algorithms as alg
 from services.learner.algorithms.kl import KLController
+from services.learner.algorithms.registry import NEEDS_POLICY_STATS, NEEDS_ROW_INPUTS
 from services.learner.batch_stats import overconfidence_per_row
 from services.learner.packing import (
     Sample,
@@ -27,23 +28,37 @@ from services.learner.packing import (
     set_response_matrix,
 )
 
-# Estimators the stream loop cannot feed: ReMax needs a greedy rollout per prompt as baseline.
-UNSUPPORTED_IN_LOOP = {"remax": "remax needs a greedy baseline rollout per prompt, which the "
-                                 "stream loop does not issue; use grpo, rloo or "
-                                 "reinforce_plus_plus_baseline"}
 
-
-def check_estimator(name: str) -> None:
-    """Fail at start-up (not at the first step) for an estimator the loop cannot run."""
+def check_estimator(
+    name: str, options: alg.AlgorithmSettings | None = None, n_samples: int | None = None
+) -> None:
+    """Fail at start-up (not at the first step) for an estimator the loop cannot run with these
+    options: an unknown name, per-row inputs under a stepwise multi-turn mode, Pass@k with
+    groups of one, GDPO without reward keys."""
     alg.get_adv_estimator_fn(name)  # unknown name -> ValueError listing the known ones
-    if name in UNSUPPORTED_IN_LOOP:
-        raise ValueError(f"learner.adv_estimator={name}: {UNSUPPORTED_IN_LOOP[name]}")
+    if options is not None and options.multi_turn != "trajectory" and name in NEEDS_ROW_INPUTS:
+        raise ValueError(f"learner.adv_estimator={name} needs per-row inputs, which "
+                         f"learner.algorithm.multi_turn={options.multi_turn} cannot split by "
+                         "step; use multi_turn: trajectory")
+    if name == "grpo_passk" and n_samples is not None and n_samples < 2:
+        raise ValueError("learner.adv_estimator=grpo_passk needs data.n_samples >= 2")
+    if name == "gdpo" and options is not None and not options.gdpo_reward_keys:
+        raise ValueError("learner.adv_estimator=gdpo needs learner.algorithm.gdpo_reward_keys "
+                         "(the scorer's reward_components to normalise separately)")
 
 
-def samples_of(items: Sequence[ScoredTrajectory], step_rows: bool = False) -> list[Sample]:
+def samples_of(
+    items: Sequence[ScoredTrajectory], step_rows: bool = False, mask_truncated: bool = False
+) -> list[Sample]:
     """Training samples of a batch; with `step_rows` each also carries `step_index` (the step of
-    every response token, from `Trajectory.turns`) for rllm's one-row-per-step loss."""
+    every response token, from `Trajectory.turns`) for rllm's one-row-per-step loss. With
+    `mask_truncated` (TRL mask_truncated_completions) a trajectory cut at the response budget
+    (finish_reason "length") keeps its reward for the baselines but has no loss token."""
     samples = [sample_from_trajectory(item.trajectory) for item in items]
+    if mask_truncated:
+        for sample, item in zip(samples, items, strict=True):
+            if item.trajectory.finish_reason == "length":
+                sample.loss_mask[:] = 0.0
     if step_rows:
         for sample, item in zip(samples, items, strict=True):
             length = len(item.trajectory.response_ids)
@@ -62,6 +77,38 @@ def response_field_matrix(samples: Sequence[Sample], name: str, width: int) -> t
     return out
 
 
+def apply_rollout_correction(
+    samples: Sequence[Sample], options: alg.AlgorithmSettings
+) -> dict[str, float]:
+    """Decoupled rollout correction (verl `compute_rollout_correction_and_add_to_batch`): IS
+    weights of old vs rollout log-probs into the `rollout_is_weights` field, rejected tokens out
+    of each sample's loss mask, `rollout_corr/*` metrics. Runs before the advantages (which then
+    see the rejection, as in verl) and on every rank: its inputs are on every rank and the
+    arithmetic is deterministic, so no exchange is needed."""
+    if not options.uses_rollout_correction or not samples:
+        return {}
+    missing = [i for i, s in enumerate(samples)
+               if "rollout_logprobs" not in s.fields or "old_logprobs" not in s.fields]
+    if missing:
+        raise ValueError(f"rollout correction needs rollout and old log-probs; samples "
+                         f"{missing[:5]} lack them (trajectories without rollout_logprobs?)")
+    width = max(len(s) - s.prompt_len for s in samples)
+    mask = torch.zeros(len(samples), width)
+    for row, sample in enumerate(samples):
+        resp = sample.loss_mask[sample.prompt_len:]
+        mask[row, : len(resp)] = torch.from_numpy(resp.copy())
+    old = response_field_matrix(samples, "old_logprobs", width)
+    rollout = response_field_matrix(samples, "rollout_logprobs", width)
+    weights, kept, metrics = alg.rollout_correction(old, rollout, mask,
+                                                    **options.rollout_correction_options())
+    for row, sample in enumerate(samples):
+        n = len(sample) - sample.prompt_len
+        sample.loss_mask[sample.prompt_len:] = kept[row, :n].numpy()
+    if weights is not None:
+        set_response_matrix(samples, "rollout_is_weights", weights)
+    return metrics
+
+
 def assign_advantages(
     samples: Sequence[Sample],
     items: Sequence[ScoredTrajectory],
@@ -71,6 +118,7 @@ def assign_advantages(
     bnpo_state: alg.BNPOState | None = None,
     kl_controller: KLController | None = None,
     overconf_coeff: float = 0.0,
+    reward_baselines: dict[str, float] | None = None,
 ) -> dict[str, float]:
     """Fill `advantages` and `returns` of every sample; returns the step's advantage metrics.
 
@@ -84,7 +132,7 @@ def assign_advantages(
     scorable = [row for row, item in enumerate(items) if not math.isnan(float(item.reward))]
     if len(scorable) == len(items):
         return _assign(samples, items, options, estimator, bnpo_state, kl_controller,
-                       overconf_coeff)
+                       overconf_coeff, reward_baselines)
     for row in sorted(set(range(len(items))) - set(scorable)):
         sample = samples[row]
         zeros = np.zeros(len(sample) - sample.prompt_len, dtype=np.float32)
@@ -95,7 +143,7 @@ def assign_advantages(
     metrics: dict[str, float] = {}
     if scorable:
         metrics = _assign([samples[r] for r in scorable], [items[r] for r in scorable], options,
-                          estimator, bnpo_state, kl_controller, overconf_coeff)
+                          estimator, bnpo_state, kl_controller, overconf_coeff, reward_baselines)
     metrics["rewards/unscorable_fraction"] = 1.0 - len(scorable) / len(items)
     return metrics
 
@@ -108,6 +156,7 @@ def _assign(
     bnpo_state: alg.BNPOState | None,
     kl_controller: KLController | None,
     overconf_coeff: float,
+    reward_baselines: dict[str, float] | None = None,
 ) -> dict[str, float]:
     tensors = response_tensors(samples, [float(i.reward) for i in items])
     mask = tensors["response_mask"]
@@ -126,6 +175,7 @@ def _assign(
     kwargs: dict[str, Any] = options.advantage_options(estimator, bnpo_state)
     if estimator == "gae":
         kwargs["values"] = response_field_matrix(samples, "values", width)
+    kwargs.update(_row_inputs(samples, items, options, estimator, width, reward_baselines))
     if options.multi_turn != "trajectory":
         kwargs["turn_spans"] = [item.trajectory.turns for item in items]
     advantages, returns = alg.compute_advantage(
@@ -142,3 +192,45 @@ def _assign(
         metrics["advantages/abs_mean"] = float(alg.masked_mean(advantages.abs(), mask))
         metrics["returns/mean"] = float(alg.masked_mean(returns, mask))
     return metrics
+
+
+def _row_inputs(
+    samples: Sequence[Sample],
+    items: Sequence[ScoredTrajectory],
+    options: alg.AlgorithmSettings,
+    estimator: str,
+    width: int,
+    reward_baselines: dict[str, float] | None,
+) -> dict[str, Any]:
+    """Per-row estimator inputs besides rewards: ReMax's greedy rewards (by group uid), GDPO's
+    reward components, the optimal token baselines' policy statistics."""
+    if estimator == "remax":
+        baselines = reward_baselines or {}
+        missing = sorted({i.trajectory.uid for i in items} - set(baselines))
+        if missing:
+            raise ValueError(f"remax: no greedy baseline reward for groups {missing[:5]}")
+        return {"reward_baselines": [float(baselines[i.trajectory.uid]) for i in items]}
+    if estimator == "gdpo":
+        rows = []
+        for key in options.gdpo_reward_keys:
+            row = []
+            for item in items:
+                if key not in item.reward_components:
+                    raise ValueError(f"gdpo: trajectory {item.trajectory.sample_id} has no "
+                                     f"reward component {key!r} (it has "
+                                     f"{sorted(item.reward_components)})")
+                row.append(float(item.reward_components[key]))
+            rows.append(row)
+        return {"component_scores": torch.tensor(rows)}
+    if estimator in NEEDS_POLICY_STATS:
+        for name in ("old_logprobs", "sum_pi_squared"):
+            if any(name not in s.fields for s in samples):
+                raise ValueError(f"{estimator} needs {name} from the old-log-prob pass")
+        out: dict[str, Any] = {
+            "old_log_probs": response_field_matrix(samples, "old_logprobs", width),
+            "sum_pi_squared": response_field_matrix(samples, "sum_pi_squared", width),
+        }
+        if all("rollout_is_weights" in s.fields for s in samples):
+            out["rollout_is_weights"] = response_field_matrix(samples, "rollout_is_weights", width)
+        return out
+    return {}

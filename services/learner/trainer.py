@@ -71,6 +71,11 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
 class PolicyTrainer:
     """Policy (and optional frozen reference and critic) on DeepSpeed."""
 
+    # The constant divisor of seq-mean-token-sum-norm (Dr. GRPO) when
+    # learner.algorithm.max_response_len is unset: the RL loop sets rollout.max_response_length.
+    # A per-micro-batch width would make the loss depend on how the batch is packed.
+    max_response_length: int | None = None
+
     def __init__(
         self,
         model_path: str,
@@ -155,28 +160,46 @@ class PolicyTrainer:
         name: str,
         compute: Callable[[MicroBatch], torch.Tensor],
     ) -> None:
-        """Compute a per-token field for every sample, each rank on its share, then share.
+        """Compute a per-token field for every sample, each rank on its share, then share."""
+        self._gather_fields(samples, (name,), lambda mb: {name: compute(mb)})
 
-        The exchange is a SUM all-reduce of one flat buffer over all samples' tokens (every rank
-        knows every length), so nothing is serialised between ranks.
+    def _gather_fields(
+        self,
+        samples: Sequence[Sample],
+        names: Sequence[str],
+        compute: Callable[[MicroBatch], dict[str, torch.Tensor]],
+    ) -> None:
+        """Per-token fields `names` from one forward per micro-batch, each rank on its share.
+
+        The exchange is a SUM all-reduce of one flat buffer per field over all samples' tokens
+        (every rank knows every length), so nothing is serialised between ranks.
         """
         offsets = np.cumsum([0] + [len(s) for s in samples])
-        buffer = torch.zeros(int(offsets[-1]), dtype=torch.float32, device=self.device)
+        buffers = {name: torch.zeros(int(offsets[-1]), dtype=torch.float32, device=self.device)
+                   for name in names}
         for micro in self._plan(samples, list(range(len(samples)))):
             mb = pack(samples, micro, self.pad_token_id).to(self.device)
-            values = compute(mb)
-            for index, start, n in zip(mb.sample_indices, mb.seq_starts, mb.seq_lens, strict=False):
-                buffer[offsets[index] : offsets[index] + n] = values[0, start : start + n].float()
-        D.all_reduce_sum(buffer)
-        host = buffer.cpu().numpy()
-        for index, sample in enumerate(samples):
-            sample.set_field(name, host[offsets[index] : offsets[index + 1]])
+            outputs = compute(mb)
+            for name, buffer in buffers.items():
+                values = outputs[name]
+                for index, start, n in zip(mb.sample_indices, mb.seq_starts, mb.seq_lens,
+                                           strict=False):
+                    buffer[offsets[index] : offsets[index] + n] = values[0, start : start + n].float()
+        for name, buffer in buffers.items():
+            D.all_reduce_sum(buffer)
+            host = buffer.cpu().numpy()
+            for index, sample in enumerate(samples):
+                sample.set_field(name, host[offsets[index] : offsets[index + 1]])
 
     @torch.no_grad()
     def compute_log_probs(
-        self, samples: Sequence[Sample], which: str = "policy", name: str | None = None
+        self, samples: Sequence[Sample], which: str = "policy", name: str | None = None,
+        sum_pi_squared: bool = False,
     ) -> None:
-        """Fill `old_logprobs` (policy) or `ref_logprobs` (reference) for every sample."""
+        """Fill `old_logprobs` (policy) or `ref_logprobs` (reference) for every sample; with
+        `sum_pi_squared` also the field of that name (sum over the vocabulary of p^2 of the
+        distribution that predicted each token, from the same forward pass; the optimal token
+        baseline estimators need it, verl's actor.calculate_sum_pi_squared)."""
         if which == "policy":
             model: Any = self.policy
             self.policy.eval()
@@ -188,12 +211,16 @@ class PolicyTrainer:
             raise ValueError(f"unknown model {which!r}")
         target = name or ("old_logprobs" if which == "policy" else "ref_logprobs")
 
-        def compute(mb: MicroBatch) -> torch.Tensor:
+        def compute(mb: MicroBatch) -> dict[str, torch.Tensor]:
             with self._autocast():
                 logits = self._forward(model, mb).logits
-            return token_logprobs(logits, mb.input_ids, self.temperature)
+            out = {target: token_logprobs(logits, mb.input_ids, self.temperature)}
+            if sum_pi_squared:
+                out["sum_pi_squared"] = token_sum_pi_squared(logits, self.temperature)
+            return out
 
-        self._gather_field(samples, target, compute)
+        names = (target, "sum_pi_squared") if sum_pi_squared else (target,)
+        self._gather_fields(samples, names, compute)
 
     @torch.no_grad()
     def compute_values(self, samples: Sequence[Sample]) -> None:
@@ -332,10 +359,9 @@ class PolicyTrainer:
 
         opt = self.options
         logp = token_logprobs(logits, mb.input_ids, self.temperature)
-        width = opt.max_response_len
 
         def rows(flat: torch.Tensor) -> torch.Tensor:
-            matrix = mb.response_matrix(flat, width)
+            matrix = mb.response_matrix(flat)
             return matrix if pick is None else matrix[pick]
 
         pick: torch.Tensor | None = None
@@ -345,18 +371,22 @@ class PolicyTrainer:
                 raise ValueError(STEP_INDEX_MISSING)
             pick, mask = alg.step_rows(rows(mb.fields["step_index"]), mask)
         log_prob = rows(logp)
-        old = rows(mb.fields["old_logprobs"]) if "old_logprobs" in mb.fields else log_prob.detach()
+        name = opt.effective_policy_loss
+        if name == "bypass_mode":  # verl bypass: the rollout's log-probs are the old ones
+            if "rollout_logprobs" not in mb.fields:
+                raise ValueError("bypass_mode needs the rollout's log-probs on every sample")
+            old = rows(mb.fields["rollout_logprobs"])
+        elif "old_logprobs" in mb.fields:
+            old = rows(mb.fields["old_logprobs"])
+        else:
+            old = log_prob.detach()
         adv = rows(mb.fields["advantages"])
-        rollout = rows(mb.fields["rollout_logprobs"]) if (
-            opt.tis_cap is not None and "rollout_logprobs" in mb.fields
-        ) else None
-        counts = {"global_token_count": tokens, "global_seq_count": seqs,
-                  "max_response_len": opt.max_response_len}
-        options = opt.policy_loss_options()
-        options.update(counts)
-        pg_loss, pg_metrics = alg.policy_loss(
-            log_prob, old, adv, mask, rollout_log_prob=rollout, **options
-        )
+        weights = rows(mb.fields["rollout_is_weights"]) if "rollout_is_weights" in mb.fields \
+            else None
+        settings = opt.loss_settings().with_counts(tokens, seqs, self._loss_scale_factor())
+        counts = settings.counts()
+        pg_loss, pg_metrics = alg.compute_policy_loss(name, log_prob, old, adv, mask, settings,
+                                                      weights)
         loss = pg_loss
         share = float(mask.sum()) / tokens  # this micro-batch's share, to average metrics
         metrics: dict[str, float] = {"pg_loss": float(pg_loss.detach())}
@@ -378,6 +408,17 @@ class PolicyTrainer:
         metrics["loss"] = float(loss.detach())
         return loss, metrics
 
+    def _loss_scale_factor(self) -> int | None:
+        """The divisor of seq-mean-token-sum-norm: learner.algorithm.max_response_len, else the
+        run's rollout.max_response_length; never a micro-batch's own width (see the class
+        attribute). Other modes ignore it."""
+        value = self.options.max_response_len or self.max_response_length
+        if value is None and self.options.loss_agg_mode == "seq-mean-token-sum-norm":
+            raise ValueError("loss_agg_mode seq-mean-token-sum-norm needs a constant divisor: "
+                             "set learner.algorithm.max_response_len (the RL loop uses "
+                             "rollout.max_response_length)")
+        return value
+
     def value_loss(
         self, mb: MicroBatch, values_out: torch.Tensor, tokens: float, seqs: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -385,14 +426,14 @@ class PolicyTrainer:
         from services.learner import algorithms as alg
 
         opt = self.options
-        width = opt.max_response_len
-        mask = mb.response_matrix(mb.loss_mask, width)
-        vpreds = mb.response_matrix(token_values(values_out), width)
-        returns = mb.response_matrix(mb.fields["returns"], width)
-        old_values = mb.response_matrix(mb.fields["values"], width)
+        mask = mb.response_matrix(mb.loss_mask)
+        vpreds = mb.response_matrix(token_values(values_out))
+        returns = mb.response_matrix(mb.fields["returns"])
+        old_values = mb.response_matrix(mb.fields["values"])
         vf_loss, vf_metrics = alg.value_loss(
             vpreds, old_values, returns, mask, opt.cliprange_value, opt.loss_agg_mode,
-            global_token_count=tokens, global_seq_count=seqs, max_response_len=width,
+            global_token_count=tokens, global_seq_count=seqs,
+            max_response_len=self._loss_scale_factor(),
         )
         share = float(mask.sum()) / tokens
         metrics = {"vf_loss": float(vf_loss.detach())}
@@ -445,6 +486,18 @@ STEP_INDEX_MISSING = ("learner.algorithm.loss_rows=step needs each sample's step
 def _require_step_index(samples: Sequence[Sample], indices: Sequence[int]) -> None:
     if any("step_index" not in samples[i].fields for i in indices):
         raise ValueError(STEP_INDEX_MISSING)
+
+
+def token_sum_pi_squared(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """(1, N) sum over the vocabulary of p^2 for the distribution that predicted token p
+    (aligned like token_logprobs; position 0 gets 0): exp(lse(2 z) - 2 lse(z)) of z = logits / T
+    (verl's calculate_sum_pi_squared_from_logits)."""
+    shifted = logits[:, :-1].float()
+    if temperature != 1.0:
+        shifted = shifted / temperature
+    value = torch.exp(torch.logsumexp(2.0 * shifted, dim=-1)
+                      - 2.0 * torch.logsumexp(shifted, dim=-1))
+    return torch.nn.functional.pad(value, (1, 0), value=0.0)
 
 
 def broadcast_samples(samples: list[Sample] | None) -> list[Sample]:

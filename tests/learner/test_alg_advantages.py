@@ -48,14 +48,22 @@ def per_row(adv: torch.Tensor, mask: torch.Tensor) -> list[float]:
 
 
 def test_registry_has_every_estimator():
+    # verl 0.9.1's AdvantageEstimator values, plus bnpo.
     assert set(ADVANTAGE_ESTIMATORS) == {
         "gae",
         "grpo",
+        "grpo_vectorized",
+        "grpo_passk",
+        "gpg",
+        "gdpo",
         "rloo",
+        "rloo_vectorized",
         "reinforce_plus_plus",
         "reinforce_plus_plus_baseline",
         "remax",
         "opo",
+        "optimal_token_baseline",
+        "tir_optimal_token_baseline",
         "bnpo",
     }
     with pytest.raises(ValueError, match="unknown advantage estimator"):
@@ -227,14 +235,19 @@ def test_estimators_reject_bad_shapes_and_options():
 def test_every_estimator_accepts_float32_and_bool_masks():
     tlr64, mask64 = outcome(REWARDS, MASKS)
     tlr, mask = tlr64.float(), mask64.bool()
+    stats = {"old_log_probs": torch.full_like(tlr, -0.5), "sum_pi_squared": torch.full_like(tlr, 0.3)}
     options = {
         "gae": {"values": torch.zeros_like(tlr)},
         "remax": {"reward_baselines": torch.zeros(6)},
+        "optimal_token_baseline": stats,
+        "tir_optimal_token_baseline": stats,
     }
+    uids = {"grpo_passk": ["a", "a", "a", "a", "c", "c"]}  # Pass@k needs groups of 2 or more
     for name, fn in ADVANTAGE_ESTIMATORS.items():
-        adv, ret = fn(tlr, mask, UIDS, **options.get(name, {}))
+        ids = uids.get(name, UIDS)
+        adv, ret = fn(tlr, mask, ids, **options.get(name, {}))
         ref, _ = fn(
-            tlr64, mask64, UIDS, **{k: v.double() for k, v in options.get(name, {}).items()}
+            tlr64, mask64, ids, **{k: v.double() for k, v in options.get(name, {}).items()}
         )
         assert adv.dtype == torch.float32 and adv.shape == tlr.shape, name
         assert torch.isfinite(adv).all() and torch.isfinite(ret).all(), name

@@ -40,9 +40,9 @@ def test_ppo_clip_dual_clip_values_and_metrics():
     assert val(loss) == pytest.approx((-1.2 - 0.5 + 1.1 + 0.8 + 3.0) / 5)
     assert val(metrics["clipfrac_high"]) == pytest.approx(1 / 5)
     assert val(metrics["clipfrac_low"]) == pytest.approx(1 / 5)
-    assert val(metrics["clipfrac_dual"]) == pytest.approx(1 / 5)
-    assert val(metrics["clipfrac"]) == pytest.approx(2 / 5)  # verl pg_clipfrac
-    assert val(metrics["approx_kl"]) == pytest.approx(-sum(map(math.log, RATIOS)) / 5)
+    assert val(metrics["pg_clipfrac_lower"]) == pytest.approx(1 / 5)  # the dual clip
+    assert val(metrics["pg_clipfrac"]) == pytest.approx(2 / 5)
+    assert val(metrics["ppo_kl"]) == pytest.approx(-sum(map(math.log, RATIOS)) / 5)
     assert all(not v.requires_grad for v in metrics.values())
 
 
@@ -67,10 +67,13 @@ def test_trl_variant_no_dual_clip_no_clamp():
     logp, old, adv, mask = toy()
     loss, metrics = policy_loss(logp, old, adv, mask, clip_ratio_c=None, log_ratio_clamp=None)
     assert val(loss) == pytest.approx((-1.2 - 0.5 + 1.1 + 0.8 + 4.0) / 5)
-    assert val(metrics["clipfrac_dual"]) == 0.0
-    # TRL's delta (ratio cap) equals the dual clip with c = delta
+    assert val(metrics["pg_clipfrac_lower"]) == 0.0
+    # TRL's delta (ratio cap) equals the dual clip with c = delta at the token level
     capped, _ = policy_loss(logp, old, adv, mask, clip_ratio_c=3.0, log_ratio_clamp=None)
     assert val(capped) == pytest.approx((-1.2 - 0.5 + 1.1 + 0.8 + 3.0) / 5)
+    delta, _ = policy_loss(logp, old, adv, mask, clip_ratio_c=None, delta=3.0,
+                           log_ratio_clamp=None)
+    assert val(delta) == pytest.approx(val(capped))
 
 
 def test_clip_higher_separate_epsilons():
@@ -120,17 +123,14 @@ def test_gspo_sequence_ratio_value_and_gradient_match_trl_sequence_level():
         assert torch.allclose(x.grad, y.grad, atol=1e-12)
 
 
-def test_truncated_importance_sampling_weights():
+def test_rollout_is_weights_multiply_each_token_as_constants():
     logp, old, adv, mask = toy([1.0, 1.0], [1.0, 1.0])
-    rollout = old - torch.tensor([[math.log(3.0), math.log(0.5)]], dtype=F64)  # weights 3, 0.5
-    loss, metrics = policy_loss(logp, old, adv, mask, rollout_log_prob=rollout, tis_cap=2.0)
+    weights = torch.tensor([[2.0, 0.5]], dtype=F64, requires_grad=True)  # e.g. truncated IS
+    loss, _ = policy_loss(logp, old, adv, mask, rollout_is_weights=weights)
     assert val(loss) == pytest.approx((-1.0 * 2.0 - 1.0 * 0.5) / 2)
-    assert val(metrics["tis_weight_mean"]) == pytest.approx(1.25)
-    assert val(metrics["tis_clipfrac"]) == pytest.approx(0.5)
     loss.backward()
     assert logp.grad[0].tolist() == pytest.approx([-2.0 / 2, -0.5 / 2])
-    plain, m = policy_loss(logp, old, adv, mask, rollout_log_prob=rollout)  # no cap: no TIS
-    assert val(plain) == pytest.approx(-1.0) and "tis_weight_mean" not in m
+    assert weights.grad is None  # detached: the weights change the measure, not the objective
 
 
 LOSS = [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]]

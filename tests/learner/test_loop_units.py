@@ -132,11 +132,19 @@ def test_kl_in_reward_needs_reference_log_probs_and_lowers_rewards():
 
 
 def test_estimators_the_loop_cannot_run_fail_at_start():
+    from services.learner.algorithms import AlgorithmSettings
+
     check_estimator("grpo")
-    with pytest.raises(ValueError, match="remax needs a greedy baseline"):
-        check_estimator("remax")
+    check_estimator("remax")  # the loop issues a greedy baseline per group (issue 18)
     with pytest.raises(ValueError, match="unknown advantage estimator"):
         check_estimator("nope")
+    stepwise = AlgorithmSettings(multi_turn="per_step")
+    with pytest.raises(ValueError, match="remax needs per-row inputs"):
+        check_estimator("remax", stepwise)
+    with pytest.raises(ValueError, match="n_samples >= 2"):
+        check_estimator("grpo_passk", AlgorithmSettings(), n_samples=1)
+    with pytest.raises(ValueError, match="gdpo_reward_keys"):
+        check_estimator("gdpo", AlgorithmSettings())
 
 
 def test_ledger_reject_flags_the_group_for_reissue():

@@ -19,6 +19,7 @@ from services.learner.algorithms.aggregation import LOSS_AGG_MODES, agg_loss
 from services.learner.algorithms.bnpo import BNPOState, bnpo
 from services.learner.algorithms.config import AlgorithmSettings
 from services.learner.algorithms.filters import filter_groups
+from services.learner.algorithms.group_variants import gdpo, gpg, grpo_passk
 from services.learner.algorithms.kl import (
     KL_KINDS,
     AdaptiveKLController,
@@ -39,40 +40,59 @@ from services.learner.algorithms.multi_turn import (
     stepwise_per_step,
 )
 from services.learner.algorithms.policy_loss import entropy_from_logits, policy_loss
+from services.learner.algorithms.policy_losses import (
+    POLICY_LOSSES,
+    LossSettings,
+    compute_policy_loss,
+    get_policy_loss_fn,
+)
 from services.learner.algorithms.registry import ADVANTAGE_ESTIMATORS, get_adv_estimator_fn
+from services.learner.algorithms.rollout_correction import rollout_correction
 from services.learner.algorithms.shaping import (
     apply_overconfidence_penalty,
     overconfidence_penalty,
     overconfidence_penalty_metrics,
 )
+from services.learner.algorithms.token_baselines import (
+    optimal_token_baseline,
+    tir_optimal_token_baseline,
+)
 from services.learner.algorithms.value_loss import value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
-    "KL_KINDS",
-    "LOSS_AGG_MODES",
-    "MULTI_TURN_MODES",
     "AdaptiveKLController",
     "AlgorithmSettings",
     "BNPOState",
     "FixedKLController",
+    "KL_KINDS",
+    "LOSS_AGG_MODES",
+    "LossSettings",
+    "MULTI_TURN_MODES",
+    "POLICY_LOSSES",
     "agg_loss",
     "apply_kl_penalty",
     "apply_overconfidence_penalty",
     "bnpo",
     "compute_advantage",
+    "compute_policy_loss",
     "count_step_rows",
     "entropy_from_logits",
     "filter_groups",
     "gae",
+    "gdpo",
     "get_adv_estimator_fn",
+    "get_policy_loss_fn",
+    "gpg",
     "grpo",
+    "grpo_passk",
     "kl_penalty",
     "make_kl_controller",
     "masked_mean",
     "masked_var",
     "masked_whiten",
     "opo",
+    "optimal_token_baseline",
     "overconfidence_penalty",
     "overconfidence_penalty_metrics",
     "policy_loss",
@@ -80,10 +100,12 @@ __all__ = [
     "reinforce_plus_plus_baseline",
     "remax",
     "rloo",
+    "rollout_correction",
     "step_index_row",
     "step_regions",
     "step_rows",
     "stepwise_broadcast",
     "stepwise_per_step",
+    "tir_optimal_token_baseline",
     "value_loss",
 ]

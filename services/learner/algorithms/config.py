@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from services.common.config.base import Section
 from services.learner.algorithms.aggregation import LOSS_AGG_MODES
 from services.learner.algorithms.bnpo import BNPOState
 from services.learner.algorithms.kl import KL_KINDS, KLController, make_kl_controller
+from services.learner.algorithms.policy_losses import POLICY_LOSSES, LossSettings
+from services.learner.algorithms.rollout_correction import parse_is_threshold, parse_rs
 
 
 class AlgorithmSettings(Section):
@@ -45,16 +47,48 @@ class AlgorithmSettings(Section):
     # step is its own row, so seq-mean modes average over steps). None: "step" in the stepwise
     # modes (broadcast, per_step), which are rllm's, else "trajectory".
     loss_rows: Literal["trajectory", "step"] | None = None
-    # --- policy loss ---
+    # --- estimator extras ---
+    gpg_f_norm: float = Field(default=1.0, gt=0)  # gpg: A = alpha (r - mean) / f_norm
+    gdpo_reward_keys: list[str] = Field(default_factory=list)  # gdpo: reward_components keys
+    gdpo_reward_weights: list[float] | None = None  # gdpo: one weight per key (None: ones)
+    otb_handle_zero_tail: bool = True  # (tir_)optimal_token_baseline
+    otb_epsilon: float = Field(default=1e-8, ge=0)
+    # --- policy loss (policy_losses.py; verl `policy_loss.loss_mode`) ---
+    policy_loss: str = "vanilla"
     loss_agg_mode: str = "token-mean"
     clip_ratio_low: float = Field(default=0.2, ge=0, lt=1)
     clip_ratio_high: float = Field(default=0.2, ge=0)
     clip_ratio_c: float | None = Field(default=3.0, gt=1)  # None: no dual clip
+    delta: float | None = Field(default=None, gt=0)  # TRL: cap on the unclipped ratio
     ratio_kind: Literal["token", "sequence"] = "token"  # sequence = GSPO
     log_ratio_clamp: float | None = Field(default=20.0, gt=0)  # None: no clamp (TRL)
-    tis_cap: float | None = Field(default=None, gt=0)  # None: no truncated IS
-    max_response_len: int | None = Field(default=None, ge=1)  # seq-mean-token-sum-norm divisor
+    tau_pos: float = Field(default=1.0, gt=0)  # sapo (TRL sapo_temperature_pos)
+    tau_neg: float = Field(default=1.05, gt=0)  # sapo (TRL sapo_temperature_neg)
+    clip_cov_ratio: float = Field(default=2e-4, gt=0)
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = Field(default=2e-4, gt=0)
+    ppo_kl_coef: float = 0.1
+    dro_beta: float | None = Field(default=None, gt=0)
+    cispo_eps_max: float | None = Field(default=None, gt=0)  # set: TRL's CISPO
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    # None: rollout.max_response_length (the run's constant), the divisor of
+    # seq-mean-token-sum-norm (verl loss_scale_factor, TRL max_completion_length).
+    max_response_len: int | None = Field(default=None, ge=1)
+    mask_truncated_completions: bool = False  # TRL: no loss on finish_reason "length" rows
     entropy_coeff: float = 0.0
+    # --- rollout correction (rollout_correction.py; verl algorithm.rollout_correction) ---
+    rollout_is: Literal["token", "sequence"] | None = None
+    rollout_is_threshold: float | str = 2.0  # "2.0": truncate (TIS); "0.5_5.0": IcePop
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: str | None = None  # e.g. "token_k1" or "seq_mean_k1,token_k3"
+    rollout_rs_threshold: float | str | None = None
+    bypass_mode: bool = False  # old log-probs := rollout log-probs; loss = bypass_mode
+    bypass_loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
+    tis_cap: float | None = Field(default=None, gt=0)  # = rollout_is: token with this threshold
     # --- KL to the reference policy ---
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
@@ -78,6 +112,66 @@ class AlgorithmSettings(Section):
         if value not in LOSS_AGG_MODES:
             raise ValueError(f"must be one of {', '.join(LOSS_AGG_MODES)}")
         return value
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _policy_loss(cls, value: str) -> str:
+        if value not in POLICY_LOSSES:
+            raise ValueError(f"must be one of {', '.join(sorted(POLICY_LOSSES))}")
+        return value
+
+    @field_validator("rollout_is_threshold")
+    @classmethod
+    def _is_threshold(cls, value: float | str) -> float | str:
+        parse_is_threshold(value)
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AlgorithmSettings:
+        if self.rollout_rs is not None:
+            parse_rs(self.rollout_rs, self.rollout_rs_threshold)
+        if self.tis_cap is not None and self.rollout_is is not None:
+            raise ValueError("tis_cap is rollout_is='token' with rollout_is_threshold=tis_cap; "
+                             "set one of them")
+        if self.policy_loss == "dro" and self.dro_beta is None:
+            raise ValueError("policy_loss 'dro' needs dro_beta > 0 (verl has no default)")
+        if self.gdpo_reward_weights is not None and (
+                len(self.gdpo_reward_weights) != len(self.gdpo_reward_keys)):
+            raise ValueError("gdpo_reward_weights needs one weight per gdpo_reward_keys entry")
+        return self
+
+    @property
+    def effective_policy_loss(self) -> str:
+        """verl's bypass mode replaces the loss with `bypass_mode` (apply_bypass_mode)."""
+        return "bypass_mode" if self.bypass_mode else self.policy_loss
+
+    @property
+    def uses_bypass(self) -> bool:
+        return self.effective_policy_loss == "bypass_mode"
+
+    @property
+    def effective_rollout_is(self) -> str | None:
+        return "token" if self.tis_cap is not None else self.rollout_is
+
+    @property
+    def effective_rollout_is_threshold(self) -> float | str:
+        return self.tis_cap if self.tis_cap is not None else self.rollout_is_threshold
+
+    @property
+    def uses_rollout_correction(self) -> bool:
+        """Decoupled rollout correction: IS weights / rejection computed once per batch from
+        old vs rollout log-probs (in bypass mode the loss does it instead)."""
+        return not self.uses_bypass and (
+            self.effective_rollout_is is not None or self.rollout_rs is not None)
+
+    def rollout_correction_options(self) -> dict[str, Any]:
+        return {
+            "rollout_is": self.effective_rollout_is,
+            "rollout_is_threshold": self.effective_rollout_is_threshold,
+            "rollout_is_batch_normalize": self.rollout_is_batch_normalize,
+            "rollout_rs": self.rollout_rs,
+            "rollout_rs_threshold": self.rollout_rs_threshold,
+        }
 
     @field_validator("kl_penalty", "kl_loss_type")
     @classmethod
@@ -115,7 +209,17 @@ class AlgorithmSettings(Section):
                 "max_value": self.bnpo_max_value,
                 "weight_cap": self.bnpo_weight_cap,
             }
-        return {}  # opo, remax (remax's reward_baselines come from the greedy rollouts)
+        if name in ("grpo_vectorized", "grpo_passk"):
+            return {"epsilon": self.epsilon, "norm_adv_by_std": self.norm_adv_by_std}
+        if name == "gdpo":
+            return {"epsilon": self.epsilon, "norm_adv_by_std": self.norm_adv_by_std,
+                    "weights": self.gdpo_reward_weights}
+        if name == "gpg":
+            return {"f_norm": self.gpg_f_norm}
+        if name in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+            return {"handle_zero_tail": self.otb_handle_zero_tail, "epsilon": self.otb_epsilon}
+        # opo, rloo_vectorized; remax (its reward_baselines come from the greedy rollouts).
+        return {}
 
     def advantage_options(self, name: str, bnpo_state: BNPOState | None = None) -> dict[str, Any]:
         """Keyword arguments of `compute_advantage` for estimator `name`."""
@@ -139,16 +243,49 @@ class AlgorithmSettings(Section):
         return BNPOState(self.bnpo_window) if self.bnpo_window >= 2 else None
 
     def policy_loss_options(self) -> dict[str, Any]:
+        """Keyword arguments of `policy_loss` (the vanilla / GSPO function)."""
         return {
             "loss_agg_mode": self.loss_agg_mode,
             "clip_ratio_low": self.clip_ratio_low,
             "clip_ratio_high": self.clip_ratio_high,
             "clip_ratio_c": self.clip_ratio_c,
             "ratio_kind": self.ratio_kind,
-            "tis_cap": self.tis_cap,
+            "delta": self.delta,
             "log_ratio_clamp": self.log_ratio_clamp,
             "max_response_len": self.max_response_len,
         }
+
+    def loss_settings(self) -> LossSettings:
+        """Every knob of the registered policy losses (policy_losses.py)."""
+        return LossSettings(
+            loss_agg_mode=self.loss_agg_mode,
+            clip_ratio_low=self.clip_ratio_low,
+            clip_ratio_high=self.clip_ratio_high,
+            clip_ratio_c=self.clip_ratio_c,
+            delta=self.delta,
+            ratio_kind=self.ratio_kind,
+            log_ratio_clamp=self.log_ratio_clamp,
+            tau_pos=self.tau_pos,
+            tau_neg=self.tau_neg,
+            clip_cov_ratio=self.clip_cov_ratio,
+            clip_cov_lb=self.clip_cov_lb,
+            clip_cov_ub=self.clip_cov_ub,
+            kl_cov_ratio=self.kl_cov_ratio,
+            ppo_kl_coef=self.ppo_kl_coef,
+            dro_beta=self.dro_beta,
+            cispo_eps_max=self.cispo_eps_max,
+            vespo_k_pos=self.vespo_k_pos,
+            vespo_lambda_pos=self.vespo_lambda_pos,
+            vespo_k_neg=self.vespo_k_neg,
+            vespo_lambda_neg=self.vespo_lambda_neg,
+            bypass_loss_type=self.bypass_loss_type,
+            rollout_is=self.effective_rollout_is,
+            rollout_is_threshold=self.effective_rollout_is_threshold,
+            rollout_is_batch_normalize=self.rollout_is_batch_normalize,
+            rollout_rs=self.rollout_rs,
+            rollout_rs_threshold=self.rollout_rs_threshold,
+            max_response_len=self.max_response_len,
+        )
 
     def make_kl_controller(self) -> KLController:
         return make_kl_controller(self.kl_ctrl, self.kl_coef, self.target_kl, self.horizon)

@@ -1,24 +1,28 @@
-"""PPO-family policy loss: clip with separate low/high epsilon, dual clip, GSPO, truncated IS.
+"""PPO-family policy loss: clip with separate low/high epsilon, dual clip, GSPO, TRL's delta.
 
 Per token, with ratio rho = exp(logp - old_logp) and advantage A:
 
-    L = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))        (PPO; DAPO clip-higher)
-    L = min(L, -A c)   where A < 0                                   (dual clip, c > 1)
+    L = max(-A min(rho, delta), -A clip(rho, 1 - eps_low, 1 + eps_high))  (PPO; DAPO clip-higher;
+                                                                          TRL's delta cap)
+    L = min(L, -A c)   where A < 0                                         (dual clip, c > 1)
 
 How the knobs map onto the libraries (reference/algorithms.md sections 2, 4, 6):
 
-- verl `vanilla`: the defaults (log-ratio clamped to +-20, dual clip c = 3).
-- TRL GRPO: `log_ratio_clamp=None`, `clip_ratio_c=None`; TRL's `delta` (ratio cap) is the same
-  function as the dual clip, so `clip_ratio_c=delta` reproduces it when delta >= 1 + eps_high.
+- verl `vanilla`: the defaults (log-ratio clamped to +-20, dual clip c = 3, no delta).
+- TRL GRPO: `log_ratio_clamp=None`, `clip_ratio_c=None`, `delta` = TRL's `delta` (the upper clamp
+  of the unclipped ratio, INTELLECT-2's two-sided clip). With delta >= 1 + eps_high it equals a
+  dual clip c = delta at the token level; unlike the dual clip it also applies at the sequence
+  level (TRL clamps the sequence ratio coef_1 the same way), which is why it is its own option.
 - GSPO (`ratio_kind="sequence"`): rho is the sequence's geometric-mean ratio
   exp(mean_t(logp - old)) on every token, with the per-token gradient of verl's stop-gradient
   form (equal to TRL's sequence-level importance sampling for every aggregation mode, since the
   aggregation weights are constant within a sequence). verl clamps log rho <= 10 there (applied
-  when `log_ratio_clamp` is not None) and uses no dual clip, so none is applied.
-- Truncated importance sampling (stale, off-policy samples): when `rollout_log_prob` and
-  `tis_cap` are both given, each token's loss is multiplied by the constant
-  min(exp(old_logp - rollout_logp), tis_cap), correcting for the gap between the behaviour
-  policy that sampled the token and the policy `old_logp` came from (verl's TIS).
+  when `log_ratio_clamp` is not None) and uses no dual clip, so none is applied; `delta` is.
+- Off-policy correction: `rollout_is_weights` (from `rollout_correction`, detached) multiply each
+  token's loss, as verl's losses do with their `rollout_is_weights` argument.
+
+Metrics use verl's names (`pg_clipfrac`, `ppo_kl`, `pg_clipfrac_lower`; the trainer prefixes
+`actor/`) plus TRL's clip-region fractions (`clipfrac_high`, `clipfrac_low`).
 """
 
 from __future__ import annotations
@@ -31,14 +35,14 @@ from services.learner.algorithms.masked import masked_mean
 GSPO_LOG_RATIO_MAX = 10.0  # verl's cap on the sequence log-ratio
 
 
-def _ratio(
+def importance_ratio(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
     mask: torch.Tensor,
     ratio_kind: str,
     log_ratio_clamp: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ratio, token log-ratio for the approx-KL metric)."""
+    """(ratio, token log-ratio for the approx-KL metric) at the token or sequence level."""
     diff = log_prob - old_log_prob
     if ratio_kind == "token":
         log_ratio = diff
@@ -66,8 +70,8 @@ def policy_loss(
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float | None = 3.0,
     ratio_kind: str = "token",
-    rollout_log_prob: torch.Tensor | None = None,
-    tis_cap: float | None = None,
+    delta: float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
     log_ratio_clamp: float | None = 20.0,
     global_token_count: float | torch.Tensor | None = None,
     global_seq_count: float | torch.Tensor | None = None,
@@ -75,37 +79,30 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped surrogate loss (to minimise) and detached metrics.
 
-    Metrics: `clipfrac_high` (rho > 1 + eps_high with A > 0: the update is cut),
-    `clipfrac_low` (rho < 1 - eps_low with A < 0), `clipfrac_dual` (the dual clip is active;
-    verl pg_clipfrac_lower), `clipfrac` (verl pg_clipfrac: the clipped branch was taken),
-    `approx_kl` (verl ppo_kl, mean of old - new), and with TIS `tis_weight_mean`,
-    `tis_clipfrac`. Fractions are over masked tokens of this call (not global).
+    Metrics: `pg_clipfrac` (verl: the clipped branch was taken), `pg_clipfrac_lower` (verl: the
+    dual clip is active), `ppo_kl` (verl: mean of old - new log-prob), `clipfrac_high`
+    (TRL clip_ratio/high_mean: rho > 1 + eps_high with A > 0), `clipfrac_low` (TRL low_mean:
+    rho < 1 - eps_low with A < 0). Fractions are over masked tokens of this call.
     """
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (dual clip), got {clip_ratio_c}")
+    if delta is not None and delta <= 0:
+        raise ValueError(f"delta must be > 0 (TRL's ratio cap), got {delta}")
     mask = response_mask.to(log_prob.dtype)
-    ratio, log_ratio = _ratio(log_prob, old_log_prob, mask, ratio_kind, log_ratio_clamp)
+    ratio, log_ratio = importance_ratio(log_prob, old_log_prob, mask, ratio_kind, log_ratio_clamp)
     unclipped = -advantages * ratio
     clipped_ratio = ratio.clamp(min=1.0 - clip_ratio_low, max=1.0 + clip_ratio_high)
     clipped = -advantages * clipped_ratio
-    loss_mat = torch.maximum(unclipped, clipped)
+    capped = unclipped if delta is None else -advantages * ratio.clamp(max=delta)
+    loss_mat = torch.maximum(capped, clipped)
     negative = advantages < 0
     dual_active = torch.zeros_like(negative)
     if clip_ratio_c is not None and ratio_kind == "token":
-        if clip_ratio_c <= 1.0:
-            raise ValueError(f"clip_ratio_c must be > 1 (dual clip), got {clip_ratio_c}")
         bound = -advantages * clip_ratio_c
         dual_active = negative & (loss_mat > bound)
         loss_mat = torch.where(negative, torch.minimum(loss_mat, bound), loss_mat)
-
-    metrics: dict[str, torch.Tensor] = {}
-    if rollout_log_prob is not None and tis_cap is not None:
-        behaviour_log_ratio = (old_log_prob - rollout_log_prob).detach()
-        if log_ratio_clamp is not None:
-            behaviour_log_ratio = behaviour_log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
-        raw_weight = torch.exp(behaviour_log_ratio)
-        weight = raw_weight.clamp(max=tis_cap)
-        loss_mat = loss_mat * weight
-        metrics["tis_weight_mean"] = masked_mean(weight, mask)
-        metrics["tis_clipfrac"] = masked_mean((raw_weight > tis_cap).to(mask.dtype), mask)
+    if rollout_is_weights is not None:
+        loss_mat = loss_mat * rollout_is_weights.detach()
 
     loss = agg_loss(
         loss_mat,
@@ -117,15 +114,17 @@ def policy_loss(
     )
     with torch.no_grad():
         ratio_d = ratio.detach()
-        metrics["clipfrac_high"] = masked_mean(
-            ((ratio_d > 1.0 + clip_ratio_high) & (advantages > 0)).to(mask.dtype), mask
-        )
-        metrics["clipfrac_low"] = masked_mean(
-            ((ratio_d < 1.0 - clip_ratio_low) & negative).to(mask.dtype), mask
-        )
-        metrics["clipfrac_dual"] = masked_mean(dual_active.to(mask.dtype), mask)
-        metrics["clipfrac"] = masked_mean((clipped > unclipped).detach().to(mask.dtype), mask)
-        metrics["approx_kl"] = masked_mean(-log_ratio.detach(), mask)
+        metrics = {
+            "pg_clipfrac": masked_mean((clipped > unclipped).to(mask.dtype), mask),
+            "ppo_kl": masked_mean(-log_ratio.detach(), mask),
+            "pg_clipfrac_lower": masked_mean(dual_active.to(mask.dtype), mask),
+            "clipfrac_high": masked_mean(
+                ((ratio_d > 1.0 + clip_ratio_high) & (advantages > 0)).to(mask.dtype), mask
+            ),
+            "clipfrac_low": masked_mean(
+                ((ratio_d < 1.0 - clip_ratio_low) & negative).to(mask.dtype), mask
+            ),
+        }
     return loss, {k: v.detach() for k, v in metrics.items()}
 
 
