@@ -186,3 +186,26 @@ def test_ratio_warmup_takes_effect_per_rl_step(tiny_policy, samples_factory):
     plain = PolicyTrainer(str(tiny_policy), cfg.model_copy(update={"warmup_ratio": None}))
     assert plain.policy.current_lr() == pytest.approx(1e-3)
     assert np.isfinite(first["loss"])
+
+
+@pytest.mark.slow
+def test_the_grpo_recipes_kl_loss_and_entropy_enter_the_loss(tiny_policy, samples_factory):
+    """loss = pg_loss + kl_loss_coef x KL(low_var_kl) - entropy_coeff x entropy, with the
+    recipe's own algorithm keys."""
+    from services.learner.packing import pack
+    from services.learner.trainer import PolicyTrainer
+
+    recipe = load_config(GRPO).learner.algorithm
+    cfg = LearnerSection(lr=1e-3, micro_batch_tokens=400, total_steps=2, algorithm=recipe)
+    trainer = PolicyTrainer(str(tiny_policy), cfg, use_ref=True)
+    samples = samples_factory(3, with_rl=True)
+    trainer.compute_log_probs(samples, "ref")
+    for sample in samples:  # a reference the policy has drifted from
+        sample.set_field("ref_logprobs", sample.fields["ref_logprobs"] - 0.5)
+    tokens, seqs = trainer._counts(samples, [0, 1, 2])
+    mb = pack(samples, [0, 1, 2])
+    with torch.no_grad():
+        loss, metrics = trainer.rl_loss(mb, trainer._policy_out(mb), tokens, seqs)
+    assert metrics["kl_loss"] > 0.1 and metrics["entropy"] > 0.1
+    expected = metrics["pg_loss"] + 0.001 * metrics["kl_loss"] - 0.001 * metrics["entropy"]
+    assert float(loss) == pytest.approx(expected, rel=1e-6, abs=1e-7)
