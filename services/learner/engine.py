@@ -143,6 +143,22 @@ def ratio_warmup_lambda(
     return factor
 
 
+def lr_multiplier(cfg: LearnerSection, total_steps: int, warmup_ratio: float | None,
+                  updates_per_step: int):
+    """The LR multiplier per optimizer step for `total_steps` training steps of
+    `updates_per_step` optimizer steps each.
+
+    With `warmup_ratio`: verl's warm-up counted in training steps. Without: `cfg.warmup_steps`
+    optimizer steps, and the cosine horizon is the run's optimizer-step count
+    (total_steps x updates_per_step) — counting it in training steps made the decay reach 0
+    after 1/updates_per_step of an RL run whose steps take several mini-batch updates.
+    """
+    if warmup_ratio is not None:
+        return ratio_warmup_lambda(warmup_ratio, total_steps, updates_per_step, cfg.lr_schedule)
+    return warmup_lambda(cfg.warmup_steps, total_steps * max(1, int(updates_per_step)),
+                         cfg.lr_schedule)
+
+
 def rl_updates_per_step(cfg: LearnerSection, n_samples: int) -> int:
     """Optimizer steps one RL training step takes: PPO epochs x mini-batches of the batch's
     train_batch_size x n_samples sequences (`learner.mini_batch_size`; 0 = one mini-batch)."""
@@ -188,11 +204,7 @@ class TrainEngine:
             optimizer = torch.optim.AdamW(
                 params, lr=lr, betas=cfg.betas, weight_decay=cfg.weight_decay
             )
-        if warmup_ratio is not None:
-            lr_factor = ratio_warmup_lambda(warmup_ratio, total_steps, updates_per_step,
-                                            cfg.lr_schedule)
-        else:
-            lr_factor = warmup_lambda(cfg.warmup_steps, total_steps, cfg.lr_schedule)
+        lr_factor = lr_multiplier(cfg, total_steps, warmup_ratio, updates_per_step)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
         model.to(device)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
