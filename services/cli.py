@@ -26,6 +26,8 @@ COMMAND_GROUPS: dict[str, tuple[str, str]] = {
     "model": ("services.tasks.cli_model", "tokenizer + tiny policy for tests and the demo"),
     "score": ("services.scorer.cli_score", "score one solution, for debugging"),
     "report": ("services.launch.cli_report", "plots and a summary of a run"),
+    "inspect": ("services.launch.cli_inspect", "read the trajectories a run logged"),
+    "streams": ("services.launch.cli_streams", "dead-lettered messages, decoded, with reasons"),
 }
 
 
