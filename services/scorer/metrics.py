@@ -5,7 +5,13 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 ITEMS = Counter("forage_scorer_items_total", "Trajectories scored", ["data_source"])
-REWARD_SUM = Counter("forage_scorer_reward_sum_total", "Sum of rewards given", ["data_source"])
+# Scored rows only (an unscorable NaN row is not a reward): the mean over a window is
+# delta(reward_sum) / increase(scored). A Gauge, not a Counter: rewards can be negative (format
+# penalties, custom functions), and a Counter refuses to go down (it raised in the worker).
+SCORED = Counter("forage_scorer_scored_total", "Trajectories with a (non-NaN) reward",
+                 ["data_source"])
+REWARD_SUM = Gauge("forage_scorer_reward_sum", "Running sum of rewards given (may decrease)",
+                   ["data_source"])
 REWARD_MEAN = Gauge("forage_scorer_reward_mean", "Mean reward of the last batch",
                     ["data_source"])
 ITEMS_PER_SECOND = Gauge("forage_scorer_items_per_second",

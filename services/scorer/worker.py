@@ -270,6 +270,7 @@ class ScorerWorker:
             scored = [v for v in values if v == v]  # NaN: unscorable, not a reward (TRL)
             if scored:
                 metrics.REWARD_SUM.labels(source).inc(sum(scored))
+                metrics.SCORED.labels(source).inc(len(scored))
                 metrics.REWARD_MEAN.labels(source).set(sum(scored) / len(scored))
         if probe_stats:
             metrics.PROBE_AUC.set(sum(a for a, _ in probe_stats) / len(probe_stats))
