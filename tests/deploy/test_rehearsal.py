@@ -170,7 +170,7 @@ def localize_args(args: list[str], mounts: dict[str, Path], net: Network) -> lis
         if index and args[index - 1] == "--set" and "=" in arg:
             key, raw = arg.split("=", 1)
             value = localize_value(key.rsplit(".", 1)[-1], yaml.safe_load(raw), mounts, net)
-            out.append(f"{key}={value if not isinstance(value, str) else value}")
+            out.append(f"{key}={value}")
         else:
             out.append(localize(arg, mounts, net))
     return out
@@ -254,9 +254,14 @@ def http_ok(url: str) -> bool:
 
 
 def scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        assert response.status == 200, url
-        return response.read().decode()
+    """GET /metrics as Prometheus would, from another container's address."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            assert response.status == 200, url
+            return response.read().decode()
+    except OSError as exc:
+        raise AssertionError(f"{url} does not answer from {SERVICE_ADDRESS} ({exc}): "
+                             "a listener bound to loopback only?") from None
 
 
 def assert_binds_every_interface(box: Box, net: Network) -> None:
