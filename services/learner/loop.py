@@ -599,12 +599,31 @@ class LearnerLoop:
 
     # ================================================================== weights, checkpoints
 
+    # A publish that raises leaves the previous version serving (docs/weight_sync.md); it is
+    # tried again this many times, `PUBLISH_RETRY_S` apart, before the run stops with the error.
+    PUBLISH_ATTEMPTS = 3
+    PUBLISH_RETRY_S = 1.0
+
     def _publish_weights(self) -> None:
         from services.common.weight_sync.notify import notify_new_version
 
         _broadcast_command(CMD_EXPORT)
         state_dict = self.trainer.state_dict_for_export()
-        self.server.publish(state_dict, self.version)
+        for attempt in range(1, self.PUBLISH_ATTEMPTS + 1):
+            try:
+                self.server.publish(state_dict, self.version)
+                break
+            except Exception as exc:
+                served = self.server.version
+                if attempt == self.PUBLISH_ATTEMPTS:
+                    raise RuntimeError(
+                        f"publishing policy version {self.version} failed {attempt} times "
+                        f"(replicas keep version {served}): {type(exc).__name__}: {exc}"
+                    ) from exc
+                log.error("publishing policy version %d failed (%s: %s); replicas keep "
+                          "version %d; trying again (%d/%d)", self.version,
+                          type(exc).__name__, exc, served, attempt, self.PUBLISH_ATTEMPTS)
+                time.sleep(self.PUBLISH_RETRY_S)
         notify_new_version(self.streams.client, self.streams.namespace, self.version)
         M.POLICY_VERSION.set(self.version)
         log.info("published policy version %d", self.version)

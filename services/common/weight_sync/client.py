@@ -50,6 +50,9 @@ def _rpc_error(exc: grpc.RpcError) -> WeightSyncError:
     reason = _STATUS_REASONS.get(code, "transport")
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         reason = details.split(":", 1)[0] if ":" in details else "superseded"
+    elif code == grpc.StatusCode.RESOURCE_EXHAUSTED and (
+            details.startswith("busy:") or "Concurrent RPC limit" in details):
+        reason = "busy"  # the server's fetch slots are taken: retried by fetch()
     return WeightSyncError(reason, f"{getattr(code, 'name', code)}: {details}")
 
 
@@ -133,15 +136,21 @@ class WeightSyncClient:
         `expect` (e.g. the model's state dict) makes names, shapes and dtypes part of the
         check. With `version=None`, a version replaced during the transfer is retried (up to
         `retries` times) so the caller gets the newer consistent set, and a server caught
-        between two versions (it retires the old copy before making the new one) is waited
-        for up to `timeout_s`; a named version that is no longer served raises ("superseded").
+        between two versions (`publishing`, older servers) is waited for up to `timeout_s`; a
+        named version that is no longer served raises ("superseded"). A server whose fetch
+        slots are all taken (`busy`) is retried with backoff for up to `timeout_s`.
         """
         attempt = 0
         deadline = time.monotonic() + self.timeout_s
+        pause = 0.05
         while True:
             try:
                 return self._fetch_once(version or 0, expect)
             except WeightSyncError as exc:
+                if exc.reason == "busy" and time.monotonic() < deadline:
+                    time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+                    pause = min(pause * 2, 1.0)
+                    continue
                 if version is None:
                     if exc.reason == "superseded" and attempt < retries:
                         attempt += 1

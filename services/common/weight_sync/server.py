@@ -2,9 +2,17 @@
 
 `publish` copies the tensors once into a CPU snapshot (the learner keeps training on its own
 copy) and computes the checksum there, so every fetch streams the same bytes without work.
-Only one snapshot is kept: publishing a new version first retires the old one, and streams
-still reading it stop at their next chunk with FAILED_PRECONDITION ("superseded"), so the
-server never holds two copies for long and a client never receives a mix of versions.
+The new snapshot is built aside while the old one keeps serving, and they swap only when the
+new one is complete: a publish that fails (unsupported dtype, manifest too large, out of
+memory) leaves the old version serving. Streams still reading a replaced version stop at their
+next chunk with FAILED_PRECONDITION ("superseded"), so a client never receives a mix of
+versions. The price is two copies in memory while a publish runs; `publish_lazy` keeps none.
+
+Slow or stalled readers cannot starve the others: each Fetch holds one worker thread, so
+fetches are capped (`max_fetches`, and `max_fetches_per_peer` per client address; more answer
+RESOURCE_EXHAUSTED "busy", which the client retries) to leave threads for GetVersion, and a
+watchdog cancels a stream whose next chunk has not been accepted for `stall_timeout_s` (a
+client that stopped reading holds its thread only that long).
 
 `publish_lazy` keeps no copy at all: it takes a provider that yields (name, tensor) pairs again
 for every fetch (a ZeRO-3 learner can gather bucket by bucket, a checkpoint can be read from
@@ -18,6 +26,7 @@ import hmac
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -35,6 +44,9 @@ PUBLISHED_VERSION = Gauge("forage_weight_sync_published_version", "policy versio
 PUBLISHED_BYTES = Gauge("forage_weight_sync_published_bytes", "bytes in the served state dict")
 BYTES_SENT = Counter("forage_weight_sync_bytes_sent_total", "tensor bytes streamed to replicas")
 FETCHES = Counter("forage_weight_sync_fetches_total", "fetch streams by outcome", ["result"])
+PUBLISH_FAILURES = Counter("forage_weight_sync_publish_failures_total",
+                           "publishes that raised (the previous version kept serving)")
+ACTIVE_FETCHES = Gauge("forage_weight_sync_active_fetches", "fetch streams in progress")
 
 TensorSource = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 Provider = Callable[[], Iterable[tuple[str, torch.Tensor]]]
@@ -68,6 +80,27 @@ class _Superseded(Exception):
     pass
 
 
+@dataclass
+class _Stream:
+    """One Fetch in progress, as the watchdog sees it."""
+
+    context: grpc.ServicerContext
+    peer: str
+    # monotonic time since which a chunk has waited for gRPC to accept it (the client's flow
+    # control window is full); None while the server itself prepares the next chunk
+    waiting_since: float | None = None
+    cancelled: bool = False
+
+
+def peer_host(peer: str) -> str:
+    """The client address of a gRPC peer string without its port ("ipv4:10.0.0.3:51234" ->
+    "ipv4:10.0.0.3", "ipv6:[::1]:5" -> "ipv6:[::1]"): what per-peer limits count by."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6") and ":" in rest:
+        return f"{kind}:{rest.rsplit(':', 1)[0]}"
+    return peer
+
+
 class WeightSyncServer:
     """gRPC `WeightSync` service; see the module docstring and docs/weight_sync.md."""
 
@@ -77,12 +110,19 @@ class WeightSyncServer:
         port: int = 0,
         token: str | None = None,
         chunk_bytes: int = 4 << 20,
-        max_workers: int = 4,
+        max_workers: int = 16,
         checksum_algo: str = wire.DEFAULT_CHECKSUM,
         grpc_options: list[tuple[str, object]] | None = None,
+        max_fetches: int | None = None,
+        max_fetches_per_peer: int | None = None,
+        stall_timeout_s: float = 30.0,
     ) -> None:
         if chunk_bytes < 1:
             raise ValueError("chunk_bytes must be positive")
+        if max_workers < 2:
+            raise ValueError("max_workers must be at least 2 (fetches leave one for GetVersion)")
+        if stall_timeout_s <= 0:
+            raise ValueError("stall_timeout_s must be positive")
         wire.new_hasher(checksum_algo)
         self.host = host
         self.chunk_bytes = chunk_bytes
@@ -94,7 +134,15 @@ class WeightSyncServer:
         self._lock = threading.Lock()
         self._current: _Snapshot | None = None
         self._last_version = 0
-        self._publishing = False  # between retiring the old copy and installing the new one
+        # Each Fetch holds a worker thread for its whole stream: cap them below max_workers so
+        # GetVersion always finds a thread, and per client address so one host cannot take all.
+        self.max_fetches = min(max_fetches or max(1, max_workers - 2), max_workers - 1)
+        self.max_fetches_per_peer = max_fetches_per_peer or max(1, self.max_fetches // 2)
+        self.stall_timeout_s = stall_timeout_s
+        self._streams: dict[int, _Stream] = {}
+        self._streams_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._watchdog: threading.Thread | None = None
         options = [
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", 1 << 20),
@@ -137,12 +185,18 @@ class WeightSyncServer:
 
     def start(self) -> WeightSyncServer:
         self._server.start()
+        self._watchdog = threading.Thread(target=self._watch, name="weight-sync-watchdog",
+                                          daemon=True)
+        self._watchdog.start()
         log.info("weight sync serving on %s (auth %s)", self.address, "on" if self._token else "off")
         return self
 
     def stop(self, grace_s: float | None = 1.0) -> None:
+        self._stopping.set()
         self._retire()
         self._server.stop(grace_s).wait()
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=5)
 
     def __enter__(self) -> WeightSyncServer:
         return self.start()
@@ -155,24 +209,24 @@ class WeightSyncServer:
     def publish(self, state_dict: TensorSource, version: int) -> pb.Manifest:
         """Serve a copy of `state_dict` (a mapping, or an iterable of (name, tensor)) as `version`.
 
-        The old version is retired before the copy is made, so peak memory is one snapshot.
-        An iterable lets a ZeRO-3 learner gather one parameter (or bucket) at a time. If the
-        publish fails (bad dtype, manifest too large) nothing is served until the next one.
+        The copy is built while the previous version keeps serving and replaces it only when
+        complete, so a publish that raises (bad dtype, manifest too large, out of memory)
+        leaves the previous version serving; peak memory is two snapshots during the copy.
+        An iterable lets a ZeRO-3 learner gather one parameter (or bucket) at a time.
         """
         return self._guarded(version, lambda: self._publish(state_dict, version))
 
     def _guarded(self, version: int, run: Callable[[], pb.Manifest]) -> pb.Manifest:
-        """Check the version, and flag the gap between retiring and installing a copy, during
-        which fetches answer `publishing` (clients wait) rather than `not_published`."""
         self._check_version(version)
-        self._publishing = True
         try:
             return run()
-        finally:
-            self._publishing = False
+        except Exception as exc:
+            PUBLISH_FAILURES.inc()
+            log.error("publishing weights v%d failed, v%d keeps serving: %s", version,
+                      self.version, exc)
+            raise
 
     def _publish(self, state_dict: TensorSource, version: int) -> pb.Manifest:
-        self._retire()
         hasher = wire.new_hasher(self.checksum_algo)
         packer = wire.ChunkPacker(version, self.chunk_bytes)
         specs: list[pb.TensorSpec] = []
@@ -194,7 +248,7 @@ class WeightSyncServer:
         version: int,
         specs: Sequence[tuple[str, torch.dtype, Sequence[int]]] | None = None,
     ) -> pb.Manifest:
-        """See `_publish_lazy`; nothing is served after a failed publish until the next one."""
+        """See `_publish_lazy`; a publish that raises leaves the previous version serving."""
         return self._guarded(version, lambda: self._publish_lazy(provider, version, specs))
 
     def _publish_lazy(
@@ -209,7 +263,6 @@ class WeightSyncServer:
         checksum; with `specs` (name, dtype, shape) nothing is read now and the manifest
         carries no checksum (the last chunk's is authoritative).
         """
-        self._retire()
         layout: list[pb.TensorSpec] = []
         offset = 0
         checksum = ""
@@ -263,9 +316,12 @@ class WeightSyncServer:
             old.retired.set()
 
     def _install(self, snapshot: _Snapshot) -> None:
+        """Swap the complete new snapshot in; streams of the old one stop as superseded."""
         with self._lock:
-            self._current = snapshot
+            old, self._current = self._current, snapshot
             self._last_version = snapshot.version
+        if old is not None:
+            old.retired.set()
         PUBLISHED_VERSION.set(snapshot.version)
         PUBLISHED_BYTES.set(snapshot.manifest.total_bytes)
         log.info("published weights v%d: %d tensors, %d bytes", snapshot.version,
@@ -280,12 +336,16 @@ class WeightSyncServer:
         return pb.VersionInfo(version=snapshot.version, manifest=snapshot.manifest)
 
     def _fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        stream = self._admit(context)
+        try:
+            yield from self._serve(request, context, stream)
+        finally:
+            self._leave(stream)
+
+    def _serve(self, request: pb.FetchRequest, context: grpc.ServicerContext,
+               stream: _Stream) -> Iterator[bytes]:
         snapshot = self._current
         if snapshot is None:
-            if self._publishing:
-                FETCHES.labels("publishing").inc()
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"publishing: version {self._last_version} is being replaced")
             FETCHES.labels("not_published").inc()
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not_published: no weights served")
         if request.version and request.version != snapshot.version:
@@ -296,7 +356,10 @@ class WeightSyncServer:
                 f"{snapshot.version}",
             )
         try:
-            yield from self._encode_chunks(snapshot)
+            for message in self._encode_chunks(snapshot):
+                stream.waiting_since = time.monotonic()
+                yield message  # returns once gRPC accepted it (the client's window had room)
+                stream.waiting_since = None
         except _Superseded:
             FETCHES.labels("superseded").inc()
             context.abort(
@@ -308,6 +371,51 @@ class WeightSyncServer:
             log.error("weights v%d: %s", snapshot.version, exc)
             context.abort(grpc.StatusCode.DATA_LOSS, f"corrupt: {exc}")
         FETCHES.labels("ok").inc()
+
+    # --- slow readers ---------------------------------------------------------------------
+
+    def _admit(self, context: grpc.ServicerContext) -> _Stream:
+        """Register a Fetch, or answer RESOURCE_EXHAUSTED "busy" when the caps are reached."""
+        stream = _Stream(context, peer_host(context.peer() or "unknown"))
+        with self._streams_lock:
+            total = len(self._streams)
+            same = sum(1 for s in self._streams.values() if s.peer == stream.peer)
+            busy = None
+            if total >= self.max_fetches:
+                busy = f"busy: {total} fetches in progress (max_fetches={self.max_fetches})"
+            elif same >= self.max_fetches_per_peer:
+                busy = (f"busy: {same} fetches from {stream.peer} in progress "
+                        f"(max_fetches_per_peer={self.max_fetches_per_peer})")
+            if busy is None:
+                self._streams[id(stream)] = stream
+                ACTIVE_FETCHES.set(len(self._streams))
+        if busy is not None:
+            FETCHES.labels("busy").inc()
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{busy}; retry later")
+        return stream
+
+    def _leave(self, stream: _Stream) -> None:
+        with self._streams_lock:
+            self._streams.pop(id(stream), None)
+            ACTIVE_FETCHES.set(len(self._streams))
+
+    def _watch(self) -> None:
+        """Cancel streams whose client stopped reading: a chunk not accepted within
+        `stall_timeout_s` (gRPC blocks the handler's thread while the window is full)."""
+        interval = min(1.0, self.stall_timeout_s / 4)
+        while not self._stopping.wait(interval):
+            now = time.monotonic()
+            with self._streams_lock:
+                stalled = [s for s in self._streams.values() if not s.cancelled
+                           and s.waiting_since is not None
+                           and now - s.waiting_since > self.stall_timeout_s]
+                for stream in stalled:
+                    stream.cancelled = True
+            for stream in stalled:
+                FETCHES.labels("stalled").inc()
+                log.warning("cancelling a weight fetch from %s: its client accepted no data for "
+                            "%.0fs (stall_timeout_s)", stream.peer, self.stall_timeout_s)
+                stream.context.cancel()
 
     def _encode_chunks(self, snapshot: _Snapshot) -> Iterator[bytes]:
         """The serialized chunks of one fetch: manifest, data chunks, then the checksum."""
