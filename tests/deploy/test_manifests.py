@@ -390,3 +390,16 @@ def test_docker_compose_config_validates():
         result = subprocess.run([docker, "compose", "-f", "docker-compose.yml", *extra, "config",
                                  "--quiet"], capture_output=True, text=True, cwd=REPO)
         assert result.returncode == 0, result.stderr
+
+
+def test_bind_mount_sources_exist(deploy):
+    """Every bind mount names a file or folder of the repository (./data is the user's)."""
+    for gpus in LAYOUTS:
+        model = deploy.compose_model(*_layout_files(deploy, gpus), env={})
+        for name, service in model["services"].items():
+            for volume in service.get("volumes", []):
+                source = str(volume).split(":")[0]
+                if source.startswith(".") and source != "./data":
+                    assert (REPO / source).exists(), f"{name}: {source} missing"
+                elif not source.startswith((".", "/")):
+                    assert source in model["volumes"], f"{name}: volume {source} undeclared"
