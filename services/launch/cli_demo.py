@@ -7,7 +7,8 @@ import argparse
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
-                        help="the same path at toy size (a few minutes; configs/demo_quick.yaml)")
+                        help="the same path at toy size (a few minutes; configs/demo_quick.yaml): "
+                             "checks the plumbing, does not learn")
     parser.add_argument("--out", default=None,
                         help="output directory (default runs/demo or runs/demo-quick)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],

@@ -1,4 +1,5 @@
-"""`forage report RUN_DIR [--out DIR]`: summary.json and PNG plots of a run, and a short table.
+"""`forage report RUN_DIR [--out DIR] [--x step|wall] [--smoothing W]`: summary.json, PNG plots
+and report/index.html (one offline page: summary, plots, samples, config), and a short table.
 
 matplotlib is imported by the handler only, so `forage report --help` stays quick. Exit status 2
 with a message naming the path when the run directory or its metrics.jsonl is missing or holds
@@ -12,16 +13,28 @@ import sys
 from pathlib import Path
 from typing import Any
 
+QUICK_NOTE = ("note: this run is `forage demo --quick`: it checks the plumbing at toy size and "
+              "does not learn (flat curves and an unchanged EM are expected)")
+
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="run directory holding metrics.jsonl (and demo.json)")
     parser.add_argument("--out", default=None,
                         help="where to write summary.json and the plots (default: RUN_DIR/report)")
+    parser.add_argument("--x", dest="x_axis", choices=("step", "wall"), default="step",
+                        help="x axis of the curves: RL step (default) or wall-clock minutes")
+    parser.add_argument("--smoothing", type=float, default=0.6,
+                        help="moving-average weight of the bold curves, in [0, 1): 0 = raw "
+                             "only, 0.9 = very smooth (default 0.6, TensorBoard's)")
     parser.set_defaults(handler=_report)
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _fmt_ci(interval: list[float] | None) -> str:
+    return "n/a" if not interval else f"[{interval[0]:.3f}, {interval[1]:.3f}]"
 
 
 def _fmt_delta(value: float | None) -> str:
@@ -42,6 +55,9 @@ def format_table(summary: dict[str, Any]) -> str:
     rows = [
         ("EM (eval)", f"{_fmt(summary['em_before'])} -> {_fmt(summary['em_after'])}"
                       f"  (delta {_fmt_delta(summary['em_delta'])})"),
+        ("EM 95% CI", f"{_fmt_ci(summary.get('em_before_ci'))} -> "
+                      f"{_fmt_ci(summary.get('em_after_ci'))}  (Wilson, n = "
+                      f"{'n/a' if summary.get('eval_n') is None else int(summary['eval_n'])})"),
         ("RL steps", str(summary["steps"])),
         ("wall time", _fmt_wall(summary["wall_seconds"])),
         ("searches (eval)", f"{_fmt(summary['searches_before'], 2)} -> "
@@ -65,11 +81,13 @@ def _report(args: argparse.Namespace) -> int:
     setup_logging("report", level="WARNING")
     out = Path(args.out) if args.out else Path(args.run_dir) / "report"
     try:
-        summary = write_report(args.run_dir, out)
+        summary = write_report(args.run_dir, out, x_axis=args.x_axis, smoothing=args.smoothing)
     except ReportError as exc:
         print(f"forage report: error: {exc}", file=sys.stderr)
         return 2
     print(format_table(summary))
+    if summary.get("quick"):
+        print(QUICK_NOTE)
     print("written:")
     for name in summary["files"]:
         print(f"  {out / name}")

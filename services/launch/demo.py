@@ -33,6 +33,13 @@ DEMO_CONFIG = REPO / "configs" / "demo.yaml"
 QUICK_CONFIG = REPO / "configs" / "demo_quick.yaml"
 
 
+# What `--quick` is for: its 4 steps x 2 groups x 2 samples on an SFT warm start of 4 steps
+# cannot move EM, and EM 0 -> 0 with flat plots otherwise reads as broken.
+QUICK_NOTE = ("--quick checks the plumbing at toy size (every service, stream, weight sync and "
+              "the report); it does not learn, so EM and the plots stay flat. "
+              "`forage demo` (without --quick) is the run that learns.")
+
+
 class DemoError(RuntimeError):
     pass
 
@@ -174,6 +181,8 @@ def run_demo(out: Path, quick: bool = False, overrides: list[str] | None = None,
     cfg = load_config(config_file, overrides)
     out.mkdir(parents=True, exist_ok=True)
     _say(f"forage demo{' --quick' if quick else ''}: output in {out}")
+    if quick:
+        _say(f"note: {QUICK_NOTE}")
     timings, policy = prepare(cfg, config_file, overrides, out, fresh)
     # A fresh RL run each time: old metrics, checkpoints and streams are not mixed in.
     for stale in ("metrics.jsonl", "checkpoints", "report", "demo.json"):
@@ -202,11 +211,11 @@ def run_demo(out: Path, quick: bool = False, overrides: list[str] | None = None,
     (out / "demo.json").write_text(json.dumps(info, indent=1))
     _say("[5/5] report")
     summary = write_report(out)
-    print_summary(summary, out)
+    print_summary(summary, out, quick=quick)
     return 0
 
 
-def print_summary(summary: dict[str, Any], out: Path) -> None:
+def print_summary(summary: dict[str, Any], out: Path, quick: bool = False) -> None:
     def pct(value: Any) -> str:
         return "n/a" if value is None else f"{100 * value:5.1f}%"
 
@@ -226,7 +235,9 @@ def print_summary(summary: dict[str, Any], out: Path) -> None:
     delta = summary.get("em_delta")
     _say(f"EM change: {'n/a' if delta is None else f'{100 * delta:+.1f} points'}   "
          f"steps: {summary.get('steps')}   wall: {summary.get('wall_seconds', 0):.0f}s")
-    _say(f"report: {out / 'report'}")
+    _say(f"report: {out / 'report' / 'index.html'}")
+    if quick:
+        _say(f"note: {QUICK_NOTE}")
 
 
 def main_entry(out: str | None, quick: bool, overrides: list[str], fresh: bool,

@@ -4,7 +4,9 @@ The learner appends one JSON line per step to ``RUN_DIR/metrics.jsonl`` (``"kind
 and one per evaluation (``"kind": "eval"``, step 0 = before any RL step). This module reads that
 file, condenses it into the handful of numbers a person asks first (did exact match go up, how
 long did it take, do the probe curves show the answer being decided before the reasoning), and
-writes them to ``RUN_DIR/report/summary.json`` next to PNG plots (drawn by ``report_plots``).
+writes them to ``RUN_DIR/report/summary.json`` next to PNG plots (drawn by ``report_plots``) and
+``index.html``, one offline page with the summary, the plots, a few samples and the config
+(``report_html``). Held-out EM carries a 95% Wilson interval from the eval line's ``eval/n``.
 
 Reading is forgiving because the file is written by a live process: a half-written last line or
 a line garbled by a crash is skipped with a warning naming its line number, not fatal. A step
@@ -27,6 +29,8 @@ log = logging.getLogger("forage.report")
 METRICS_FILE = "metrics.jsonl"
 DEMO_FILE = "demo.json"
 SUMMARY_FILE = "summary.json"
+HTML_FILE = "index.html"
+X_AXES = ("step", "wall")  # RL step, or wall-clock minutes since the learner started
 # Rows averaged for "first" and "last" values: one step is noisy (a batch of a few groups).
 EDGE_ROWS = 5
 PROBE_SPLITS = ("all", "correct", "incorrect")
@@ -176,6 +180,12 @@ def probe_curve(rows: list[Row]) -> dict[str, list[float | None]] | None:
     return curve
 
 
+def _ci(rows: list[Row], index: int) -> list[float] | None:
+    """[low, high] of the 95% Wilson interval of one eval line's EM (None without eval/n)."""
+    found = eval_ci(rows[index]) if rows else None
+    return None if found is None else [found[1], found[2]]
+
+
 def _eval_value(rows: list[Row], index: int, key: str) -> float | None:
     return _number(rows[index].get(key)) if rows else None
 
@@ -229,6 +239,8 @@ def summarize(train_rows: list[Row], eval_rows: list[Row],
                      if em_before is not None and em_after is not None else None),
         "em_before_step": int(eval_rows[0]["step"]) if eval_rows else None,
         "em_after_step": int(eval_rows[-1]["step"]) if eval_rows else None,
+        "em_before_ci": _ci(eval_rows, 0),
+        "em_after_ci": _ci(eval_rows, -1),
         "em_before_by_source": _per_source(eval_rows[0] if eval_rows else None, "eval/em/"),
         "em_after_by_source": _per_source(eval_rows[-1] if eval_rows else None, "eval/em/"),
         "eval_n": _eval_value(eval_rows, -1, "eval/n"),
@@ -250,7 +262,108 @@ def summarize(train_rows: list[Row], eval_rows: list[Row],
     }
 
 
-def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict[str, Any]:
+# ---------------------------------------------------------------- statistics for the plots
+
+
+def smooth(values: list[float], weight: float) -> list[float]:
+    """TensorBoard's smoothing: an exponential moving average, debiased so the first points are
+    not pulled towards 0. `weight` 0 returns the values; 0.99 is nearly flat."""
+    if not 0 <= weight < 1:
+        raise ValueError(f"smoothing weight must be in [0, 1), got {weight}")
+    out, last = [], 0.0
+    for count, value in enumerate(values, start=1):
+        last = last * weight + (1 - weight) * value
+        out.append(last / (1 - weight**count))
+    return out
+
+
+def wilson_interval(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion `p` over `n` trials (n = 140 at p = 0.3 gives
+    about +-7.5 points). Wilson rather than the normal approximation: it stays inside [0, 1]
+    and is honest at p near 0 or 1, where EM of a small model often sits."""
+    if n <= 0:
+        return (0.0, 1.0)
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def data_sources(train: list[Row], evals: list[Row]) -> list[str]:
+    """Every data source named by a per-source key (`em/<src>`, `eval/em/<src>`), sorted."""
+    found = set(_per_source(None, ""))
+    for row in train:
+        found |= set(_per_source(row, "em/"))
+    for row in evals:
+        found |= set(_per_source(row, "eval/em/"))
+    return sorted(found)
+
+
+def eval_ci(row: Row, source: str | None = None) -> tuple[float, float, float, int] | None:
+    """(EM, low, high, n) of one eval line, overall or for one data source; None without n."""
+    em = _number(row.get("eval/em" if source is None else f"eval/em/{source}"))
+    n = _number(row.get("eval/n" if source is None else f"eval/n/{source}"))
+    if em is None or n is None or n <= 0:
+        return None
+    low, high = wilson_interval(em, int(n))
+    return em, low, high, int(n)
+
+
+def probe_matrix(train: list[Row], split: str = "all") -> dict[str, Any] | None:
+    """The probe curve over training: accuracy[fraction][step] of the rows that probed, with
+    the number of probed trajectories behind each column (None where the split had none)."""
+    rows = [row for row in train if has_probe(row)]
+    points = [_probe_points(row) for row in rows]
+    fractions = sorted({f for p in points for (s, f) in p if s == split})
+    if not fractions:
+        return None
+    counts = {"all": ("probe_all/n_correct", "probe_all/n_incorrect"),
+              "correct": ("probe_all/n_correct",), "incorrect": ("probe_all/n_incorrect",)}[split]
+    steps, matrix, n = [], [[] for _ in fractions], []
+    for row, p in zip(rows, points, strict=True):
+        if not any((split, f) in p for f in fractions):
+            continue
+        steps.append(float(row["step"]))
+        for index, fraction in enumerate(fractions):
+            matrix[index].append(p.get((split, fraction)))
+        values = [_number(row.get(key)) for key in counts]
+        n.append(int(sum(values)) if all(v is not None for v in values) else None)
+    return {"fractions": fractions, "steps": steps, "accuracy": matrix, "n": n}
+
+
+def read_run_config(run_dir: str | Path) -> dict[str, Any] | None:
+    """RUN_DIR/config.yaml (what `forage up` handed every service), or None."""
+    import yaml
+
+    path = Path(run_dir) / "config.yaml"
+    try:
+        config = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def run_title(run_dir: str | Path, config: dict[str, Any] | None) -> str:
+    """`demo | grpo, lr 1e-04, 8 groups x 4, staleness 1, 60 steps`: the run name and the
+    settings a reader compares runs by (from config.yaml; the directory name without it)."""
+    if not config:
+        return Path(run_dir).resolve().name
+    learner = config.get("learner") or {}
+    data = config.get("data") or {}
+    parts = [str(learner.get("adv_estimator", "?"))]
+    if learner.get("lr") is not None:
+        parts.append(f"lr {float(learner['lr']):.0e}")
+    if learner.get("train_batch_size") is not None:
+        parts.append(f"{learner['train_batch_size']} groups x {data.get('n_samples', '?')}")
+    if learner.get("max_staleness") is not None:
+        parts.append(f"staleness {learner['max_staleness']}")
+    if learner.get("total_steps") is not None:
+        parts.append(f"{learner['total_steps']} steps")
+    name = config.get("run_id") or Path(run_dir).resolve().name
+    return f"{name} | {', '.join(parts)}"
+
+
+def write_report(run_dir: str | Path, out_dir: str | Path | None = None, *, x_axis: str = "step",
+                 smoothing: float = 0.6) -> dict[str, Any]:
     """Write summary.json and the PNG plots of a run; returns the summary.
 
     ``out_dir`` defaults to ``RUN_DIR/report``. The summary's ``files`` lists what was written
@@ -270,12 +383,25 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict
     if not parsed.train and not parsed.eval:
         raise ReportError(f"{metrics_path} holds no valid train or eval line "
                           f"({parsed.malformed} malformed line(s) skipped)")
-    summary = summarize(parsed.train, parsed.eval, read_demo_info(run_dir))
+    if x_axis not in X_AXES:
+        raise ReportError(f"x axis must be one of {X_AXES}, got {x_axis!r}")
+    if not 0 <= smoothing < 1:
+        raise ReportError(f"smoothing must be in [0, 1), got {smoothing}")
+    demo_info = read_demo_info(run_dir)
+    summary = summarize(parsed.train, parsed.eval, demo_info)
     summary["malformed_lines"] = parsed.malformed
+    config = read_run_config(run_dir)
+    summary["title"] = run_title(run_dir, config)
+    summary["quick"] = bool(demo_info and demo_info.get("quick"))
     out = Path(out_dir) if out_dir is not None else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
-    plots = write_plots(out, parsed.train, parsed.eval, summary)
-    summary["files"] = [SUMMARY_FILE, *(path.name for path in plots)]
+    plots = write_plots(out, parsed.train, parsed.eval, summary, x_axis=x_axis,
+                        smoothing=smoothing)
+    summary["files"] = [SUMMARY_FILE, *(path.name for path in plots), HTML_FILE]
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n",
                                     encoding="utf-8")
+    from services.launch.report_html import write_html
+
+    write_html(out / HTML_FILE, run_dir, summary, [path.name for path in plots], config,
+               parsed.eval)
     return summary

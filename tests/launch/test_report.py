@@ -142,7 +142,9 @@ def test_write_report_writes_summary_and_pngs(run_dir: Path) -> None:
     (run_dir / "demo.json").write_text(json.dumps({"wall_seconds": 300.25}))
     summary = write_report(run_dir)
     out = run_dir / "report"
-    assert summary["files"] == ["summary.json", *PLOTS]
+    assert summary["files"][:5] == ["summary.json", *PLOTS]
+    assert summary["files"][5:] == ["per_source.png", "rl_health.png", "probe_heatmap.png",
+                                    "index.html"]
     on_disk = json.loads((out / "summary.json").read_text())
     assert on_disk == json.loads(json.dumps(summary))
     assert on_disk["wall_seconds"] == 300.25 and on_disk["malformed_lines"] == 3
