@@ -291,12 +291,13 @@ def test_geo_mean_gmpo():
 def test_bypass_reinforce_with_token_is_and_rejection():
     logp, rollout, adv, mask = batch(spread=0.5)
     s = LossSettings(bypass_loss_type="reinforce", rollout_is="token", rollout_is_threshold=1.5,
-                     rollout_rs="token_k1", rollout_rs_threshold="0.6_1.6")
+                     rollout_rs="token_k1", rollout_rs_threshold="0.9_2.5")
 
     def ref(x, rollout, adv, mask, mode):
         ratio = torch.exp(x.detach() - rollout)
         weight = ratio.clamp(max=1.5) * mask
-        keep = ((ratio >= 0.6) & (ratio <= 1.6)).to(F64) * mask
+        # verl's token_k1 statistic is -log(ratio): the band is on 1 / ratio
+        keep = ((1 / ratio >= 0.9) & (1 / ratio <= 2.5)).to(F64) * mask
         return ref_agg(-adv * x * weight, keep, mode)
 
     assert_parity("bypass_mode", s, ref, spread=0.5,
@@ -305,7 +306,8 @@ def test_bypass_reinforce_with_token_is_and_rejection():
     assert "rollout_corr/rollout_is_eff_sample_size" in metrics
     assert 0 < float(metrics["rollout_corr/rollout_rs_masked_fraction"]) < 1
     ratio = torch.exp(logp.detach() - rollout)
-    keep = ((ratio >= 0.6) & (ratio <= 1.6)).to(F64) * mask
+    keep = ((1 / ratio >= 0.9) & (1 / ratio <= 2.5)).to(F64) * mask
+    assert ((ratio >= 0.9) & (ratio <= 2.5)).to(F64).mul(mask).sum() != keep.sum()
     assert float(metrics["ppo_kl"]) == pytest.approx(
         float(((rollout - logp.detach()) * keep).sum() / keep.sum()))
 

@@ -15,9 +15,11 @@ reference/algorithms.md):
   the weights to mean 1 (over tokens, or over sequences for sequence weights).
 - Rejection (`rollout_rs`): comma-separated criteria, all of which a token must pass, else its
   mask becomes 0. token_k1/k2/k3 judge each token; seq_sum_*, seq_mean_* and seq_max_* judge
-  (and drop) the whole sequence. k1 = -log_ratio with bounds "lower_upper" on the RATIO (a single
-  value u means [1/u, u]), k2 = log_ratio^2 / 2, k3 = exp(log_ratio) - 1 - log_ratio, both with an
-  upper bound only. seq_mean_k1 with "0.999_1.001" is verl's geometric-mean rejection (Geo-RS).
+  (and drop) the whole sequence. k1 = -log_ratio with bounds "lower_upper" on exp(k1) =
+  pi_rollout / pi_train (verl's convention: the inverse of the IS ratio; a single value u means
+  [1/u, u], symmetric, so the direction only matters for asymmetric bands), k2 = log_ratio^2 / 2,
+  k3 = exp(log_ratio) - 1 - log_ratio, both with an upper bound only. seq_mean_k1 with
+  "0.999_1.001" is verl's geometric-mean rejection (Geo-RS).
 - Off-policy metrics: KL(pi_rollout || pi_train) by k1 and k3, perplexities, chi-square.
 
 Every metric is returned under verl's names with the `rollout_corr/` prefix.
@@ -52,8 +54,8 @@ class ISThreshold:
 @dataclass(frozen=True)
 class RSBound:
     option: str
-    upper: float  # k1: the ratio's upper bound; k2/k3: the divergence's upper bound
-    lower: float | None  # k1 only: the ratio's lower bound
+    upper: float  # k1: upper bound of exp(k1) = pi_rollout / pi_train; k2/k3: of the divergence
+    lower: float | None  # k1 only: lower bound of exp(k1)
 
 
 def parse_is_threshold(spec: float | str) -> ISThreshold:
