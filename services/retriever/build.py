@@ -9,6 +9,10 @@ Why the build is shaped this way:
   corpus and encoder resumes there, and embeddings are shared between dense index types.
 - Atomicity: everything is written into `.<name>.partial/` next to the output; the manifest is
   written last and the directory is renamed into place, so `serve` can never load a half index.
+- Cleanup: a build that fails on its input (a bad corpus row) or before its first checkpoint
+  removes its staging directory; one interrupted (Ctrl-C, kill) or failing later (out of
+  memory, disk full) keeps it for the rerun to resume, and says so. The `.<name>.lock` file
+  goes with the build that held it.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from services.retriever.manifest import (
     MANIFEST_FILE,
     IndexLoadError,
     check_index_dir,
+    checksums,
     read_manifest,
     write_json_atomic,
 )
@@ -124,51 +129,53 @@ def build_index(
         stage = out_dir.parent / f".{out_dir.name}.partial"
         _prepare_stage(stage, stage_key)
 
-        dim = _write_docs_and_embeddings(
-            corpus, stage, stats.rows, encoder_path, passage_prefix, batch_size, device,
-            show_progress, checkpoint_rows or batch_size * 16, dense,
-        )
-        files: dict[str, int | None] = {}
-        if dense:
-            vectors = np.load(stage / EMBEDDINGS_FILE, mmap_mode="r")
-            bar = _bar(show_progress, stats.rows, f"add to {index_type} index")
-            index = build_dense(index_type, vectors, index_params,
-                                progress=bar.update if bar else None)
-            if bar:
-                bar.close()
-            import faiss
+        with _cleanup_on_failure(stage):
+            dim = _write_docs_and_embeddings(
+                corpus, stage, stats.rows, encoder_path, passage_prefix, batch_size, device,
+                show_progress, checkpoint_rows or batch_size * 16, dense,
+            )
+            files: dict[str, int | None] = {}
+            if dense:
+                vectors = np.load(stage / EMBEDDINGS_FILE, mmap_mode="r")
+                bar = _bar(show_progress, stats.rows, f"add to {index_type} index")
+                index = build_dense(index_type, vectors, index_params,
+                                    progress=bar.update if bar else None)
+                if bar:
+                    bar.close()
+                import faiss
 
-            faiss.write_index(index, str(stage / FAISS_FILE))
-            del index, vectors
-            files[FAISS_FILE] = (stage / FAISS_FILE).stat().st_size
-        else:
-            bm25 = BM25Index.build(_docstore_texts(stage), stats.rows, show_progress)
-            bm25.save(stage / BM25_DIR)
-            for child in sorted((stage / BM25_DIR).iterdir()):
-                files[f"{BM25_DIR}/{child.name}"] = child.stat().st_size
-        for name in (DOCS_FILE, OFFSETS_FILE):
-            files[name] = (stage / name).stat().st_size
-        for name in (EMBEDDINGS_FILE, PROGRESS_FILE, STAGE_KEY_FILE):
-            (stage / name).unlink(missing_ok=True)
+                faiss.write_index(index, str(stage / FAISS_FILE))
+                del index, vectors
+                files[FAISS_FILE] = (stage / FAISS_FILE).stat().st_size
+            else:
+                bm25 = BM25Index.build(_docstore_texts(stage), stats.rows, show_progress)
+                bm25.save(stage / BM25_DIR)
+                for child in sorted((stage / BM25_DIR).iterdir()):
+                    files[f"{BM25_DIR}/{child.name}"] = child.stat().st_size
+            for name in (DOCS_FILE, OFFSETS_FILE):
+                files[name] = (stage / name).stat().st_size
+            for name in (EMBEDDINGS_FILE, PROGRESS_FILE, STAGE_KEY_FILE):
+                (stage / name).unlink(missing_ok=True)
 
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "index_type": index_type,
-            "count": stats.rows,
-            "dim": dim,
-            "encoder": encoder_path,
-            "encoder_name": encoder_name(encoder_path) if encoder_path else None,
-            "query_prefix": build_key["query_prefix"],
-            "passage_prefix": passage_prefix if dense else "",
-            "params": index_params,
-            "corpus": {"path": str(corpus), "sha256": stats.sha256, "bytes": stats.size_bytes},
-            "files": files,
-            "build_key": build_key,
-            "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "build_seconds": round(time.monotonic() - started, 3),
-        }
-        write_json_atomic(stage / MANIFEST_FILE, manifest)
-        _swap_into_place(stage, out_dir)
+            manifest = {
+                "format_version": FORMAT_VERSION,
+                "index_type": index_type,
+                "count": stats.rows,
+                "dim": dim,
+                "encoder": encoder_path,
+                "encoder_name": encoder_name(encoder_path) if encoder_path else None,
+                "query_prefix": build_key["query_prefix"],
+                "passage_prefix": passage_prefix if dense else "",
+                "params": index_params,
+                "corpus": {"path": str(corpus), "sha256": stats.sha256, "bytes": stats.size_bytes},
+                "files": files,
+                "checksums": checksums(stage, list(files)),
+                "build_key": build_key,
+                "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "build_seconds": round(time.monotonic() - started, 3),
+            }
+            write_json_atomic(stage / MANIFEST_FILE, manifest)
+            _swap_into_place(stage, out_dir)
     log.info("built %s index of %d passages in %s (%.1fs)", index_type, stats.rows, out_dir,
              time.monotonic() - started)
     return out_dir
@@ -310,17 +317,60 @@ def _swap_into_place(stage: Path, out_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _resumable_rows(stage: Path) -> int:
+    """Rows of the streaming pass a rerun would not redo (0: nothing worth keeping)."""
+    try:
+        return int(json.loads((stage / PROGRESS_FILE).read_text())["rows"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+@contextmanager
+def _cleanup_on_failure(stage: Path):
+    """Remove the staging directory of a build that failed with nothing a rerun could resume
+    (a bad corpus: its fixed version has another checksum, so the stage would be discarded
+    anyway). Interruptions (KeyboardInterrupt, SystemExit) keep it: resuming is the point."""
+    try:
+        yield
+    except CorpusError:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    except Exception:
+        rows = _resumable_rows(stage)
+        if rows:
+            log.error("build failed; %s keeps %d encoded rows: the next run with the same "
+                      "corpus and encoder resumes there (delete it to start over)", stage, rows)
+        else:
+            shutil.rmtree(stage, ignore_errors=True)
+        raise
+
+
 @contextmanager
 def _lock(out_dir: Path):
-    """One build per output at a time (two would share the staging directory)."""
+    """One build per output at a time (two would share the staging directory).
+
+    The lock file is removed by the build that holds it, while it still holds it; a build that
+    locked a file someone removed meanwhile (its inode is no longer the path's) tries again.
+    """
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     lock_path = out_dir.parent / f".{out_dir.name}.lock"
-    with open(lock_path, "w") as handle:
+    while True:
+        handle = open(lock_path, "a")
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            handle.close()
             raise BuildError(f"another build of {out_dir} is running ({lock_path})") from None
         try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+            current = os.stat(lock_path).st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(handle.fileno()).st_ino:
+            break
+        handle.close()  # the previous holder removed this file after we opened it
+    try:
+        yield
+    finally:
+        lock_path.unlink(missing_ok=True)
+        fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+        handle.close()

@@ -88,6 +88,9 @@ def scan_corpus(path: str | Path, show_progress: bool = False) -> CorpusStats:
     """Checksum and row count in one streaming pass: the key that decides whether a build's
     earlier work can be reused, and the size the build preallocates its arrays for."""
     path = Path(path)
+    if path.is_dir():
+        raise CorpusError(f"corpus {path} is a directory; give the JSONL file of passages "
+                          "(one {\"id\", \"contents\"} object per line)")
     if not path.is_file():
         raise CorpusError(f"corpus {path} does not exist")
     size = path.stat().st_size
