@@ -199,3 +199,33 @@ def test_logger_key_validated_at_config_load(tmp_path):
     assert load_config(None, []).learner.logger == ["console", "jsonl"]
     with pytest.raises(ConfigError, match="tensorbored"):
         load_config(None, ["learner.logger=[tensorbored]"])
+
+
+def test_learner_refuses_a_missing_tracker_before_loading_the_model(tmp_path, tiny_policy):
+    """`forage learner train` with logger [wandb] and no wandb: exit 2, one line, no run."""
+    import os
+    import subprocess
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    data = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([{
+        "data_source": "synth_single", "prompt": [{"role": "user", "content": "q"}],
+        "reward_model": {"style": "rule", "ground_truth": {"target": ["a"]}},
+        "extra_info": {"index": 0}}]), data)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "run_dir": str(tmp_path / "run"), "model": {"path": str(tiny_policy)},
+        "data": {"train_files": [str(data)]}, "learner": {"logger": ["console", "wandb"]}}))
+    code = ("import sys; sys.modules['wandb'] = None; from services.cli import main; "
+            f"sys.exit(main(['learner', 'train', '--config', {str(config)!r}]))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, PYTHONPATH=str(root)))
+    assert out.returncode == 2, out.stdout + out.stderr
+    [line] = [text for text in out.stderr.splitlines() if text.strip()]
+    assert line.startswith("forage learner train: error: learner.logger has 'wandb'")
+    assert "forage[wandb]" in line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
