@@ -196,12 +196,13 @@ def test_loop_accounting_and_resume(tmp_path, redis_url, namespace, tiny_policy)
 
 
 def test_bad_estimator_fails_fast(tmp_path, redis_url, namespace, tiny_policy):
-    config = write_run(tmp_path, redis_url, namespace, tiny_policy, adv_estimator="remax")
+    # gdpo without the reward components it normalises cannot run (remax can since issue 18)
+    config = write_run(tmp_path, redis_url, namespace, tiny_policy, adv_estimator="gdpo")
     out = subprocess.run([sys.executable, "-m", "services.cli", "learner", "train", "--config",
                           str(config)], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 2
-    assert "remax needs a greedy baseline" in out.stdout + out.stderr
+    assert "gdpo needs learner.algorithm.gdpo_reward_keys" in out.stdout + out.stderr
 
 
 def test_weight_client_sees_published_versions(tmp_path, redis_url, namespace, tiny_policy):
