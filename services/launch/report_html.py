@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from services.common.redact import redact
 from services.launch.report import Row, eval_ci
 
 SAMPLES_FILE = "samples.jsonl"
@@ -197,7 +198,7 @@ def render(run_dir: Path, summary: dict[str, Any], plots: list[str],
                     or "<p class=sub>No samples.jsonl in the run directory (learner."
                        "log_samples_every writes it).</p>")
     config_text = ("(no config.yaml in the run directory)" if config is None else
-                   _yaml(config))
+                   _yaml(redact(config)))
     generated = time.strftime("%Y-%m-%d %H:%M:%S")
     return (
         "<!doctype html><html lang=en><head><meta charset=utf-8>"

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from services.common.config import ConfigError
+from services.common.redact import redact
 
 log = logging.getLogger("forage.learner.trackers")
 console_log = logging.getLogger("forage.learner.metrics")
@@ -376,6 +377,7 @@ def open_trackers(names: Sequence[str], run_dir: str | Path, run_name: str,
     if unknown:
         raise TrackerError(f"learner.logger: unknown tracker(s) {unknown}; known: {TRACKERS}")
     state = read_state(run_dir)
+    config = redact(config)
     started: list[Tracker] = []
     try:
         for name in dict.fromkeys(names):

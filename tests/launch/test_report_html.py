@@ -88,7 +88,8 @@ def synthetic_run(run_dir: Path, steps: int = STEPS, seed: int = 0) -> None:
     config = {"run_id": "html-test", "learner": {"adv_estimator": "grpo", "lr": 1e-4,
                                                  "train_batch_size": 8, "max_staleness": 1,
                                                  "total_steps": steps},
-              "data": {"n_samples": 4}, "probe": {"enable": True}}
+              "data": {"n_samples": 4}, "probe": {"enable": True},
+              "redis": {"url": "redis://:hunter2@127.0.0.1:6379/0"}}
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
 
 
@@ -180,6 +181,7 @@ def test_report_writes_every_plot_and_the_page(tmp_path, tiny_policy_dir):
     assert "n=140" in page and "html-test | grpo" in page
     assert "<script>" not in page and "&lt;script&gt;x()&lt;/script&gt;" in page  # escaped
     assert "Mekar Stebrul" in page and "adv_estimator: grpo" in page
+    assert "hunter2" not in page and "redis://***@127.0.0.1" in page  # a shareable page
     assert "quick-note" not in page
     wall = write_report(run, tmp_path / "wall", x_axis="wall", smoothing=0.0)
     assert (tmp_path / "wall" / "reward_em.png").stat().st_size > 10_000

@@ -19,10 +19,13 @@ from services.learner.trackers import (
     mlflow_key,
     numeric_metrics,
     open_trackers,
+    redact,
     sample_table,
 )
 
-CONFIG = {"run_id": "tracked", "learner": {"lr": 1e-5, "algorithm": {"clip_ratio_high": 0.28}}}
+CONFIG = {"run_id": "tracked", "learner": {"lr": 1e-5, "algorithm": {"clip_ratio_high": 0.28},
+                                           "weight_sync_token": "s3cret"},
+          "redis": {"url": "redis://:hunter2@10.0.0.5:6379/0"}}
 
 
 def _train(step: int) -> dict:
@@ -98,6 +101,9 @@ def test_pure_helpers():
     row = dict(zip(columns, data[0], strict=True))
     assert "[1] search: Ada  -> 7 Ada Vel" in row["turns"]
     assert json.loads(row["ground_truth"]) == {"target": ["Pigir"]}
+    assert redact({"a": {"weight_sync_token": "x", "n": 1}, "u": ["redis://u:p@h/0"]}) == \
+        {"a": {"weight_sync_token": "***", "n": 1}, "u": ["redis://***@h/0"]}
+    assert redact({"weight_sync_token": None}) == {"weight_sync_token": None}
 
 
 def test_every_tracker_writes_real_files_and_resume_continues(tmp_path, caplog):
@@ -148,6 +154,10 @@ def test_every_tracker_writes_real_files_and_resume_continues(tmp_path, caplog):
         == [(1, 2.0), (2, 3.0), (3, 4.0)]
     run = client.get_run(run_id)
     assert run.data.params["learner.lr"] == "1e-05"
+    # secrets never leave the run: the token and the Redis password are redacted
+    assert run.data.params["learner.weight_sync_token"] == "***"
+    assert run.data.params["redis.url"] == "redis://***@10.0.0.5:6379/0"
+    assert not any("s3cret" in v or "hunter2" in v for v in run.data.params.values())
     assert run.info.run_name == "tracked" and run.info.status == "FINISHED"
     [artifact] = client.list_artifacts(run_id, "samples")
     assert artifact.path == "samples/train_step_00000002.json"
