@@ -164,6 +164,7 @@ class RolloutWorker:
                     pending.append((decode_as(message.payload, PromptGroup), message))
                 except CodecError as exc:
                     self._dead_letter(message, str(exc))
+            pending = self._drop_future_versions(pending)
             if not pending:
                 return
             needed = max(group.policy_version_min for group, _ in pending)
@@ -185,6 +186,32 @@ class RolloutWorker:
             log.info("played %d groups in %.2fs (%.0f tokens/s)", len(pending), elapsed,
                      (self._tokens() - tokens0) / max(elapsed, 1e-9))
             self._busy = 0
+
+    def _drop_future_versions(self, pending: list[tuple[PromptGroup, Any]]
+                              ) -> list[tuple[PromptGroup, Any]]:
+        """Dead-letter groups that ask for a policy version the learner has not published.
+
+        The learner publishes a version before it issues groups that need it, so such a group
+        is bogus, and waiting for it would hold the replica for `rollout.weight_wait_s`. When
+        the learner cannot be asked, groups wait as before.
+        """
+        if not self.config.rollout.weight_sync or all(
+                group.policy_version_min <= self.engine.policy_version for group, _ in pending):
+            return pending
+        from services.common.weight_sync import WeightSyncError
+
+        try:
+            served, _ = self._client().get_version()
+        except WeightSyncError:
+            return pending
+        keep = []
+        for group, message in pending:
+            if group.policy_version_min > served:
+                self._dead_letter(message, f"policy_version_min {group.policy_version_min} is "
+                                           f"ahead of the version the learner serves ({served})")
+            else:
+                keep.append((group, message))
+        return keep
 
     def _play_groups(self, pending: list[tuple[PromptGroup, Any]], lease: Any
                      ) -> tuple[list[tuple[PromptGroup, Any]], Exception | None]:

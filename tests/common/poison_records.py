@@ -110,3 +110,92 @@ def prompt_group_poisons(good: PromptGroup, garbage_bytes: int = 1 << 16) -> lis
          ("expected PromptGroup",)),
         *garbage(garbage_bytes),
     ]
+
+
+# ----------------------------------------------------------------- seeded fuzzing
+
+HOSTILE_VALUES: list[Any] = [
+    None, True, -1, 0, 2**63 - 1, -(2**63), 1.5, float("nan"), float("inf"), "", "x" * 5000,
+    b"\x00\xff", [], {}, nested(40), nested(3), {"k": float("nan")}, [1, [2, [3]]],
+    {"role": "user"}, [{"role": "user", "content": ""}],
+]
+HOSTILE_NUMBERS = [float("nan"), float("inf"), float("-inf"), -1.0, 0.0, 1e-300, 1e308, 2.5,
+                   0.5, 1, 2**40, -(2**31)]
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_turns", "repetition_penalty")
+
+
+def _mutate_bytes(rng, payload: bytes) -> bytes:
+    data = bytearray(payload)
+    kind = rng.randrange(3)
+    if kind == 0:
+        for _ in range(rng.randint(1, 6)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+    elif kind == 1:
+        del data[rng.randrange(1, len(data)):]
+    else:
+        data += bytes(rng.randrange(256) for _ in range(rng.randint(1, 64)))
+    return bytes(data)
+
+
+def _mutate_fields(rng, body: dict, extra_fields: dict[str, list[Any]]) -> bytes:
+    body = dict(body)
+    for _ in range(rng.randint(1, 3)):
+        name = rng.choice(sorted(body))
+        roll = rng.random()
+        if roll < 0.2:
+            body.pop(name, None)
+        elif name in extra_fields and roll < 0.7:
+            body[name] = rng.choice(extra_fields[name])
+        else:
+            body[name] = rng.choice(HOSTILE_VALUES)
+    try:
+        return msgpack.packb(body, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError):
+        return msgpack.packb({"schema": body.get("schema"), "uid": "x"}, use_bin_type=True)
+
+
+def fuzz_prompt_groups(good: PromptGroup, rng, count: int) -> list[dict[bytes, bytes]]:
+    """`count` mutated prompt-group entries (bytes flipped, cut or appended; fields dropped or
+    set to hostile values). None decodes to a group of more than 4 samples, so a fuzzed record
+    that happens to be valid stays cheap to play."""
+    from services.common.codec import CodecError, decode
+
+    body = msgpack.unpackb(encode(good), raw=False)
+    sampling = [{rng.choice(SAMPLING_KEYS): rng.choice(HOSTILE_NUMBERS)} for _ in range(20)]
+    fields = {"sampling": sampling, "n": [0, -1, 10**9, 4097, 2**64 - 1, 1.0, "2"],
+              "prompt": ["", "   ", [], [{"role": "user", "content": " "}], 7]}
+    out: list[dict[bytes, bytes]] = []
+    while len(out) < count:
+        if rng.random() < 0.4:
+            payload = _mutate_bytes(rng, encode(good))
+        else:
+            payload = _mutate_fields(rng, body, fields)
+        try:
+            record = decode(payload)
+            if isinstance(record, PromptGroup) and record.n > 4:
+                continue
+        except CodecError:
+            pass
+        out.append({b"payload": payload})
+    return out
+
+
+def fuzz_trajectories(good: Trajectory, rng, count: int) -> list[dict[bytes, bytes]]:
+    """`count` mutated trajectory entries, as `fuzz_prompt_groups`."""
+    body = msgpack.unpackb(encode(good), raw=False)
+    n = len(good.response_ids)
+    fields = {
+        "response_ids": [_ids([rng.randrange(-(2**31), 2**31) for _ in range(n)])
+                         for _ in range(5)] + [b"\x01\x02\x03"],
+        "turns": [[[0, n + 5, "answer", None, 0]], [[0, 1, "jump", None, 0]], [[-1, 0]]],
+        "probe": [{"fractions": [0.0], "samples": []}, {"fractions": [float("nan")],
+                                                          "samples": [["x"]]}],
+        "finish_reason": ["done", None, 3],
+    }
+    out: list[dict[bytes, bytes]] = []
+    for _ in range(count):
+        if rng.random() < 0.4:
+            out.append({b"payload": _mutate_bytes(rng, encode(good))})
+        else:
+            out.append({b"payload": _mutate_fields(rng, body, fields)})
+    return out

@@ -194,3 +194,57 @@ def test_rollout_process_survives_a_poison_record_of_every_kind(tmp_path, redis_
     assert all(t.finish_reason != "error" for t in trajectories)
     _check_dead(streams, poison_ids)
     streams.close()
+
+
+def test_a_group_the_engine_fails_on_is_dead_lettered_alone(redis_url, namespace,
+                                                            tiny_policy_dir):
+    """A record that decodes but makes the engine raise (here its test hook, for one prompt):
+    the batch is replayed group by group, the good groups are published, only the failing one
+    is dead-lettered with the exception. Real engine (tiny policy), real Redis; the worker's
+    batch handling without its process wrapper."""
+    import torch
+
+    from services.common.config import load_config
+    from services.rollout.transformers_engine import TransformersEngine
+    from services.rollout.worker import RolloutWorker
+
+    torch.set_num_threads(1)
+    config = load_config(None, [
+        f"redis.url={redis_url}", f"redis.namespace={namespace}", f"model.path={tiny_policy_dir}",
+        "rollout.use_search=false", "rollout.max_turns=0", "rollout.weight_sync=false",
+        "rollout.max_tokens_per_turn=6", "rollout.max_response_length=6",
+        "rollout.stop_strings=[]", "rollout.max_batch_size=8"])
+    engine = TransformersEngine.from_pretrained(str(tiny_policy_dir), max_batch_size=8, seed=0)
+    tokenizer = engine.tokenizer
+
+    def hook(request):
+        if "POISON" in tokenizer.decode(request.prompt_ids):
+            raise RuntimeError("engine fault for this prompt")
+        return None
+
+    engine.forced_tokens = hook
+    worker = RolloutWorker(config, engine=engine)
+    streams = RedisStreams(redis.Redis.from_url(redis_url), namespace)
+    streams.ensure_group("prompts")
+    streams.ensure_group("rollouts")
+    worker._streams = streams
+    groups = [PromptGroup(f"g{i}", "nq", "POISON here" if i == 2 else f"question {i}", QA_GT,
+                          n=2) for i in range(4)]
+    ids = streams.publish_many("prompts", [encode(g) for g in groups])
+    try:
+        worker._play(streams.consume("prompts", worker.name, count=8, block_ms=100))
+        out = [decode_as(f[b"payload"], Trajectory)
+               for _, f in streams.client.xrange(streams.key("rollouts"))]
+        assert sorted(t.uid for t in out) == ["g0", "g0", "g1", "g1", "g3", "g3"]
+        [dead] = streams.dead_letters()
+        assert dead["id"] == ids[2]
+        assert dead["reason"] == ("playing the group failed: RuntimeError: engine fault for "
+                                  "this prompt")
+        assert streams.pending("prompts") == 0 and not engine.has_unfinished()
+        engine.forced_tokens = None  # the engine is clean for the next batch
+        streams.publish("prompts", encode(PromptGroup("after", "nq", "again", QA_GT, n=2)))
+        worker._play(streams.consume("prompts", worker.name, count=8, block_ms=100))
+        assert streams.client.xlen(streams.key("rollouts")) == 8
+    finally:
+        worker.loop.close()
+        streams.close()
