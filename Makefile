@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.forage-installed
 TORCH_CPU := torch==2.13.0
 
-.PHONY: install test test-fast lint demo bench proto clean
+.PHONY: install test test-fast lint demo bench proto clean browser
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,7 +29,16 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check services tests bench
 
-test: $(STAMP)
+# The report page is checked in a real headless browser (tests/launch/test_report_html.py):
+# Debian's Chromium, installed here when missing and apt-get is usable (root); otherwise that
+# one test skips and says why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 \
+		|| { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+			&& (apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null) ; } \
+		|| echo "no Chromium: the report page's browser test will skip"
+
+test: $(STAMP) browser
 	$(BIN)/ruff check services tests bench
 	$(BIN)/python -m pytest -q
 
