@@ -220,15 +220,26 @@ def test_a_scorer_batch_slower_than_the_timeout_is_scored_once(tmp_path, redis_u
 @pytest.mark.slow
 def test_a_rollout_group_held_past_the_timeout_is_played_once(tmp_path, redis_url, namespace,
                                                               tiny_policy_dir):
-    """Two replicas; the group needs a policy version the learner publishes only after 3x the
-    visibility timeout, so the replica that took it holds it (waiting) for that long."""
+    """Replica A takes a group that needs policy version 2, which the learner serves but which
+    takes A ~12 s to fetch (a lazy provider, slow like a large model over a slow link): A
+    holds the group all that time. Replica B (no weight sync: it would play the group at
+    once) starts meanwhile and polls the stream, reclaiming whatever is idle past the
+    visibility timeout."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from services.common.weight_sync.server import WeightSyncServer
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_policy_dir), dtype=torch.float32)
-    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    del model
+    pause = 12.0 / len(weights)
+
+    def slow_provider():
+        for name, tensor in weights.items():
+            time.sleep(pause)
+            yield name, tensor
+
     server = WeightSyncServer(port=0).start()
     server.publish(weights, version=1)
     streams = RedisStreams(redis.Redis.from_url(redis_url), namespace)
@@ -236,30 +247,42 @@ def test_a_rollout_group_held_past_the_timeout_is_played_once(tmp_path, redis_ur
     streams.ensure_group("rollouts")
     client = redis.Redis.from_url(redis_url)
     names = [f"lease-{uuid.uuid4().hex[:6]}-{i}" for i in range(2)]
-    logs, procs = [tmp_path / f"{n}.log" for n in names], []
+    logs = [tmp_path / f"{n}.log" for n in names]
+    procs: list[subprocess.Popen] = []
+
+    def start(name: str, log: Path, weight_sync: bool) -> subprocess.Popen:
+        config = tmp_path / f"{name}.yaml"
+        config.write_text(yaml.safe_dump({
+            "redis": {"url": redis_url, "namespace": namespace, "visibility_timeout_s": VT},
+            "model": {"path": str(tiny_policy_dir)},
+            "learner": {"weight_sync_host": "127.0.0.1", "weight_sync_port": server.port},
+            "rollout": {"max_batch_size": 4, "use_search": False, "max_turns": 0,
+                        "stop_strings": [], "weight_sync": weight_sync, "weight_poll_s": 60,
+                        "weight_wait_s": 60, "heartbeat_s": 0.2, "name": name,
+                        "max_tokens_per_turn": 8, "max_response_length": 8},
+            "data": {"n_samples": 2},
+        }))
+        return _start(["rollout", "serve", "--config", str(config)], log)
+
     try:
-        for name, log in zip(names, logs, strict=True):
-            config = tmp_path / f"{name}.yaml"
-            config.write_text(yaml.safe_dump({
-                "redis": {"url": redis_url, "namespace": namespace, "visibility_timeout_s": VT},
-                "model": {"path": str(tiny_policy_dir)},
-                "learner": {"weight_sync_host": "127.0.0.1", "weight_sync_port": server.port},
-                "rollout": {"max_batch_size": 4, "use_search": False, "max_turns": 0,
-                            "stop_strings": [], "weight_sync": True, "weight_poll_s": 0.2,
-                            "weight_wait_s": 60, "heartbeat_s": 0.2, "name": name,
-                            "max_tokens_per_turn": 8, "max_response_length": 8},
-                "data": {"n_samples": 2},
-            }))
-            procs.append(_start(["rollout", "serve", "--config", str(config)], log))
-        _wait_for(lambda: all(client.get(f"{namespace}:heartbeat:rollout:{n}") for n in names),
-                  procs, logs, 90, "both replicas up")
+        procs.append(start(names[0], logs[0], weight_sync=True))
+        _wait_for(lambda: client.get(f"{namespace}:heartbeat:rollout:{names[0]}"), procs,
+                  logs[:1], 90, "replica A up")
+        specs = [(name, t.dtype, tuple(t.shape)) for name, t in weights.items()]
+        server.publish_lazy(slow_provider, 2, specs=specs)
         group = PromptGroup("held", "nq", "Who founded the city?", {"target": ["x"]}, n=2,
                             policy_version_min=2)
         streams.publish("prompts", encode(group))
-        time.sleep(3 * VT + 0.5)  # one replica holds the group, waiting for version 2
-        server.publish(weights, version=2)
-        _wait_for(lambda: streams.client.xlen(streams.key("rollouts")) >= 2, procs, logs, 60,
+
+        def owner() -> list[bytes]:
+            return [p["consumer"] for p in
+                    client.xpending_range(streams.key("prompts"), "rollout", "-", "+", 10)]
+
+        _wait_for(lambda: owner() == [names[0].encode()], procs, logs[:1], 30, "A holding it")
+        procs.append(start(names[1], logs[1], weight_sync=False))
+        _wait_for(lambda: streams.client.xlen(streams.key("rollouts")) >= 2, procs, logs, 90,
                   "the group played")
+        assert client.get(f"{namespace}:heartbeat:rollout:{names[1]}"), "B never polled"
         time.sleep(2.0)  # a second play of the group would publish here
         _wait_for(lambda: streams.pending("prompts") == 0, procs, logs, 10, "acked")
     finally:
@@ -267,9 +290,8 @@ def test_a_rollout_group_held_past_the_timeout_is_played_once(tmp_path, redis_ur
         server.stop()
     trajectories = [decode_as(f[b"payload"], Trajectory)
                     for _, f in streams.client.xrange(streams.key("rollouts"))]
-    assert sorted(t.sample_id for t in trajectories) == sorted({t.sample_id
-                                                                for t in trajectories})
-    assert len(trajectories) == 2, [t.sample_id for t in trajectories]
-    assert all(t.policy_version == 2 for t in trajectories)
+    assert len(trajectories) == 2, [(t.sample_id, t.policy_version) for t in trajectories]
+    assert all(t.policy_version == 2 for t in trajectories)  # played by A, after the fetch
+    assert streams.dead_letters() == []
     assert codes == [0, 0]
     streams.close()
