@@ -589,7 +589,7 @@ class LearnerLoop:
         from services.learner.algorithms.registry import NEEDS_POLICY_STATS
 
         learner, opt = self.learner, self.options
-        if learner.adv_estimator in NEEDS_POLICY_STATS or opt.uses_rollout_correction:
+        if learner.adv_estimator in NEEDS_POLICY_STATS or opt.rollout_correction_needs_batch:
             return True  # their inputs: the old policy's log-probs (and sum of p^2)
         if opt.uses_bypass:  # verl bypass: the rollout's log-probs stand in for the old ones
             return opt.use_kl_in_reward

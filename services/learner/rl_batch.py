@@ -84,8 +84,15 @@ def apply_rollout_correction(
     weights of old vs rollout log-probs into the `rollout_is_weights` field, rejected tokens out
     of each sample's loss mask, `rollout_corr/*` metrics. Runs before the advantages (which then
     see the rejection, as in verl) and on every rank: its inputs are on every rank and the
-    arithmetic is deterministic, so no exchange is needed."""
+    arithmetic is deterministic, so no exchange is needed.
+
+    Token-level IS alone, without old log-probs (one update per batch, so old = current), is
+    left to the loss (`rollout_correction_needs_batch`), which computes the same weights from
+    the current log-probs without an extra forward pass."""
     if not options.uses_rollout_correction or not samples:
+        return {}
+    no_old = any("old_logprobs" not in s.fields for s in samples)
+    if no_old and not options.rollout_correction_needs_batch:
         return {}
     missing = [i for i, s in enumerate(samples)
                if "rollout_logprobs" not in s.fields or "old_logprobs" not in s.fields]

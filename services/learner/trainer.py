@@ -383,10 +383,18 @@ class PolicyTrainer:
         adv = rows(mb.fields["advantages"])
         weights = rows(mb.fields["rollout_is_weights"]) if "rollout_is_weights" in mb.fields \
             else None
+        corr_metrics: dict[str, float] = {}
+        if (weights is None and opt.uses_rollout_correction
+                and not opt.rollout_correction_needs_batch and "rollout_logprobs" in mb.fields):
+            # token-level IS with old = current (rl_batch.apply_rollout_correction left it here)
+            weights, corr_metrics = alg.rollout_is_weights(
+                old - rows(mb.fields["rollout_logprobs"]), mask, "token",
+                opt.effective_rollout_is_threshold)
         settings = opt.loss_settings().with_counts(tokens, seqs, self._loss_scale_factor())
         counts = settings.counts()
         pg_loss, pg_metrics = alg.compute_policy_loss(name, log_prob, old, adv, mask, settings,
                                                       weights)
+        pg_metrics.update({f"rollout_corr/{k}": v for k, v in corr_metrics.items()})
         loss = pg_loss
         share = float(mask.sum()) / tokens  # this micro-batch's share, to average metrics
         metrics: dict[str, float] = {"pg_loss": float(pg_loss.detach())}

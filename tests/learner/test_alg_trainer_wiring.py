@@ -96,3 +96,29 @@ def test_bypass_mode_uses_the_rollout_log_probs_as_old(tiny_policy, samples_fact
         del s.fields["rollout_logprobs"]
     with pytest.raises(ValueError, match="bypass_mode needs the rollout's log-probs"):
         _loss(trainer, samples)
+
+
+def test_token_is_without_an_old_pass_is_computed_in_the_loss(tiny_policy, samples_factory):
+    """tis_cap / rollout_is="token" alone with one update per batch: no old-log-prob pass, the
+    loss weighs each token by min(exp(logp - rollout), cap) from the current log-probs."""
+    from services.learner.algorithms import AlgorithmSettings
+    from services.learner.rl_batch import apply_rollout_correction
+
+    trainer = _trainer(tiny_policy, tis_cap=1.05)
+    samples = _rl_samples(samples_factory, trainer)
+    for s in samples:
+        del s.fields["old_logprobs"]  # what the loop does with a single update
+    assert not trainer.options.rollout_correction_needs_batch
+    assert apply_rollout_correction(samples, trainer.options) == {}
+    loss, metrics = _loss(trainer, samples)
+    assert metrics["rollout_corr/rollout_is_mean"] > 0
+    explicit = _trainer(tiny_policy)
+    for s in samples:
+        logp_minus_rollout = 0.1 * s.loss_mask  # rollout = old - 0.1 on loss tokens
+        s.set_field("rollout_is_weights", np.minimum(np.exp(logp_minus_rollout), 1.05))
+    expected, _ = _loss(explicit, samples)
+    assert float(loss) == pytest.approx(float(expected), rel=1e-4)
+    for needs in ({"rollout_rs": "token_k2", "rollout_rs_threshold": 1.0},
+                  {"rollout_is": "sequence"},
+                  {"rollout_is": "token", "rollout_is_batch_normalize": True}):
+        assert AlgorithmSettings(**needs).rollout_correction_needs_batch, needs

@@ -47,6 +47,7 @@ from services.learner.algorithms.policy_losses import (
     get_policy_loss_fn,
 )
 from services.learner.algorithms.registry import ADVANTAGE_ESTIMATORS, get_adv_estimator_fn
+from services.learner.algorithms.rollout_correction import is_weights as rollout_is_weights
 from services.learner.algorithms.rollout_correction import rollout_correction
 from services.learner.algorithms.shaping import (
     apply_overconfidence_penalty,
@@ -101,6 +102,7 @@ __all__ = [
     "remax",
     "rloo",
     "rollout_correction",
+    "rollout_is_weights",
     "step_index_row",
     "step_regions",
     "step_rows",

@@ -56,7 +56,8 @@ class AlgorithmSettings(Section):
     # --- policy loss (policy_losses.py; verl `policy_loss.loss_mode`) ---
     policy_loss: str = "vanilla"
     loss_agg_mode: str = "token-mean"
-    clip_ratio_low: float = Field(default=0.2, ge=0, lt=1)
+    # >= 1 turns the lower clip off (verl's CISPO example sets 10: only the upper bound).
+    clip_ratio_low: float = Field(default=0.2, ge=0)
     clip_ratio_high: float = Field(default=0.2, ge=0)
     clip_ratio_c: float | None = Field(default=3.0, gt=1)  # None: no dual clip
     delta: float | None = Field(default=None, gt=0)  # TRL: cap on the unclipped ratio
@@ -163,6 +164,17 @@ class AlgorithmSettings(Section):
         old vs rollout log-probs (in bypass mode the loss does it instead)."""
         return not self.uses_bypass and (
             self.effective_rollout_is is not None or self.rollout_rs is not None)
+
+    @property
+    def rollout_correction_needs_batch(self) -> bool:
+        """Whether the decoupled correction needs the whole batch and the old log-probs before
+        the update: rejection (it changes the advantages' mask), batch normalisation and
+        sequence-level weights (a whole trajectory, which a step row is not). Token-level IS
+        alone is per token: with one update per batch (old = current policy) the loss computes
+        it from the current log-probs, and no extra forward pass is spent (`tis_cap`)."""
+        return self.uses_rollout_correction and (
+            self.rollout_rs is not None or self.rollout_is_batch_normalize
+            or self.effective_rollout_is == "sequence")
 
     def rollout_correction_options(self) -> dict[str, Any]:
         return {

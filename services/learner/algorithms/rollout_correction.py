@@ -155,7 +155,8 @@ def is_weights(
     else:
         keep = (raw >= bound.lower) & (raw <= bound.upper)
         weights = torch.where(keep, raw, torch.zeros_like(raw))
-    metrics = _is_metrics(weights, raw, metric_log, mask, level, bound)
+    metrics = _is_metrics(weights, raw, metric_log, mask, level, bound) if bool(
+        (mask > 0).any()) else {}
     if batch_normalize:
         if level == "token":
             mean = masked_mean(weights, mask)
