@@ -514,9 +514,10 @@ class LearnerLoop:
         record.update(trajectory_metrics(items, current_version=current))
         record.update(probe_metrics(items))
         record.update(adv_metrics)
+        own_prefix = ("critic/", "rollout_corr/")  # rollout_corr/*: from the loss in bypass mode
         record.update({f"actor/{k}": v for k, v in train_metrics.items()
-                       if not k.startswith("critic/")})
-        record.update({k: v for k, v in train_metrics.items() if k.startswith("critic/")})
+                       if not k.startswith(own_prefix)})
+        record.update({k: v for k, v in train_metrics.items() if k.startswith(own_prefix)})
         record.update({f"groups/{k}": v for k, v in self.ledger.accounting().items()})
         step_s = time.monotonic() - t0
         tokens = sum(s.num_loss_tokens for s in samples)

@@ -144,16 +144,23 @@ def test_remax_trains_in_the_loop_with_greedy_baselines(tmp_path, redis_url, nam
     assert [g.attempt for g in script.greedy if g.uid == first] == [0, 1]
 
 
+DECOUPLED = ("tir_optimal_token_baseline",
+             {"policy_loss": "cispo", "rollout_is": "token", "rollout_is_threshold": 2.0,
+              "rollout_rs": "token_k3", "rollout_rs_threshold": 50.0,
+              "mask_truncated_completions": True})
+BYPASS = ("grpo", {"bypass_mode": True, "bypass_loss_type": "reinforce", "rollout_is": "token",
+                   "rollout_rs": "token_k3", "rollout_rs_threshold": 50.0})
+
+
 @pytest.mark.slow
-def test_token_baseline_rollout_correction_and_cispo_in_the_loop(tmp_path, redis_url, namespace,
-                                                                 tiny_policy):
-    """The pieces that need the old-log-prob pass (sum of p^2, rollout IS/rejection) wired
-    through the loop: two steps train, with the corrections' metrics in metrics.jsonl."""
-    algorithm = {"policy_loss": "cispo", "rollout_is": "token", "rollout_is_threshold": 2.0,
-                 "rollout_rs": "token_k3", "rollout_rs_threshold": 50.0,
-                 "mask_truncated_completions": True}
+@pytest.mark.parametrize("estimator, algorithm", [DECOUPLED, BYPASS], ids=["decoupled", "bypass"])
+def test_rollout_correction_in_the_loop(tmp_path, redis_url, namespace, tiny_policy, estimator,
+                                        algorithm):
+    """The pieces that need the old-log-prob pass (sum of p^2, decoupled IS/rejection) or skip
+    it (bypass mode) wired through the loop: two steps train, with the corrections' metrics
+    under rollout_corr/ in metrics.jsonl."""
     config = H.write_run(tmp_path, redis_url, namespace, tiny_policy, total_steps=2,
-                         adv_estimator="tir_optimal_token_baseline", algorithm=algorithm)
+                         adv_estimator=estimator, algorithm=algorithm)
     log = tmp_path / "learner.log"
     script = H.Script(redis_url, namespace)
     proc = H.start_learner(config, log)
@@ -168,7 +175,9 @@ def test_token_baseline_rollout_correction_and_cispo_in_the_loop(tmp_path, redis
     for m in lines:
         assert 0 < m["rollout_corr/rollout_is_eff_sample_size"] <= 1
         assert m["rollout_corr/rollout_rs_masked_fraction"] == 0.0  # a loose bound
+        assert m["actor/grad_norm"] > 0 and m["advantages/abs_mean"] > 0
+        assert "actor/ppo_kl" in m
+        assert not any(k.startswith("actor/rollout_corr/") for k in m)
+    if estimator == "tir_optimal_token_baseline":
         # the scripted rollout log-probs are -1 everywhere: the tiny policy is far from that
-        assert m["rollout_corr/kl"] != 0.0
-        assert "actor/pg_clipfrac" in m and m["actor/grad_norm"] > 0
-        assert m["advantages/abs_mean"] > 0
+        assert all(m["rollout_corr/kl"] != 0.0 and "actor/pg_clipfrac" in m for m in lines)
