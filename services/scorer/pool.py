@@ -58,12 +58,10 @@ class PoolError(RuntimeError):
 
 
 def _resolve(ref: str, cache: dict[str, Any]) -> Any:
-    if ref not in cache:
-        module_name, _, attr_path = ref.partition(":")
-        target: Any = importlib.import_module(module_name)
-        for attr in attr_path.split("."):
-            target = getattr(target, attr)
-        cache[ref] = target
+    if ref not in cache:  # the scorer's own rule: module:function or path/to/file.py:function
+        from services.scorer.rewards.registry import load_ref
+
+        cache[ref] = load_ref(ref)
     return cache[ref]
 
 

@@ -34,14 +34,15 @@ def register(parser: argparse.ArgumentParser) -> None:
                             ("math", "GSM8K-style word problems with \\boxed{} answers")):
         gen = sub.add_parser(name, help=help_text)
         gen.add_argument("--out", required=True, help="output parquet file")
-        gen.add_argument("--count", type=int, default=1000)
-        gen.add_argument("--seed", type=int, default=0)
-        gen.add_argument("--split", default="train")
+        gen.add_argument("--count", type=int, default=1000, help="rows to write (1000)")
+        gen.add_argument("--seed", type=int, default=0, help="random seed (0)")
+        gen.add_argument("--split", default="train", help="extra_info.split (train)")
         gen.set_defaults(handler=_generate, task=name)
 
     conv = sub.add_parser("convert", help="FlashRAG / GSM8K (jsonl or parquet) -> Search-R1 / "
                                            "verl parquet")
-    conv.add_argument("--format", dest="fmt", choices=["flashrag", "gsm8k"], required=True)
+    conv.add_argument("--format", dest="fmt", choices=["flashrag", "gsm8k"], required=True,
+                      help="input layout: FlashRAG QA ({question, golden_answers}) or GSM8K")
     conv.add_argument("--input", required=True, help="JSON Lines file, or parquet (*.parquet)")
     conv.add_argument("--out", required=True, help="output parquet file")
     conv.add_argument("--data-source", default=None,
@@ -52,9 +53,13 @@ def register(parser: argparse.ArgumentParser) -> None:
                            "e.g. test.jsonl, else train)")
     conv.set_defaults(handler=_convert)
 
-    check = sub.add_parser("check", help="validate a parquet the learner will read")
-    check.add_argument("path")
-    check.add_argument("--kind", choices=["rl", "sft"], default="rl")
+    check = sub.add_parser("check", help="validate a parquet the learner will read: every bad "
+                                          "row, empty target and unknown data source")
+    check.add_argument("path", help="the parquet file")
+    check.add_argument("--kind", choices=["rl", "sft"], default="rl",
+                       help="rl: prompts with reward_model (default); sft: prompt + segments")
+    check.add_argument("--max-rows", type=int, default=20,
+                       help="row numbers listed per problem (20; 0: all)")
     add_config_args(check, required=False)  # scorer.rewards may add data sources
     check.set_defaults(handler=_check)
 
@@ -114,17 +119,26 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from services.common.data_sources import UnknownDataSourceError, check_data_sources
-    from services.tasks.datasets import DatasetError, load_rows
+    from services.tasks.data_check import check_dataset
+    from services.tasks.datasets import DatasetError
 
     cfg = config_from_args(args)
     try:
-        rows = load_rows(args.path, kind=args.kind)
-        sources = sorted({str(r.get("data_source", "")) for r in rows})
-        if args.kind == "rl":
-            check_data_sources(sources, cfg.scorer.rewards, where=args.path)
-    except (DatasetError, UnknownDataSourceError) as exc:
+        report = check_dataset(args.path, kind=args.kind, rewards=cfg.scorer.rewards)
+    except DatasetError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"{args.path}: {len(rows)} valid {args.kind} rows; data sources: {', '.join(sources)}")
+    if not report.ok:
+        if report.problems:
+            print(f"error: {args.path}: {report.rows_with_problems} of {report.rows} "
+                  f"{args.kind} rows are bad", file=sys.stderr)
+            for line in report.lines(args.max_rows):
+                print(f"  {line}", file=sys.stderr)
+        unknown = report.unknown_sources_line(args.max_rows)
+        if unknown:
+            print(f"error: {unknown}", file=sys.stderr)
+        return 2
+    sources = ", ".join(sorted(report.sources))
+    described = f"; data sources: {sources}" if sources else ""
+    print(f"{args.path}: {report.rows} valid {args.kind} rows{described}")
     return 0

@@ -1,22 +1,37 @@
-"""One YAML file configures a run; `--set a.b=c` overrides any key (DESIGN.md 8).
+"""One YAML file configures a run; several merge in order; `a.b=c` overrides any key (DESIGN.md 8).
 
 Each section lives in its own module so that a service adds its keys without touching the
-others. Loading is strict: an unknown or ill-typed key raises `ConfigError` naming the key and
-the file it came from.
+others. Loading is strict: an unknown or ill-typed key raises `ConfigError` naming the key,
+what is wrong, where the value came from (which file, the command line, or the environment)
+and, for an unknown key, the key that was probably meant (layers.py, errors.py). Maps that a
+service package types, such as `learner.algorithm`, are checked at load too (subsections.py).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import Field, ValidationError
 
-from services.common.config.base import Section
+from services.common.config.base import ConfigError, Section
 from services.common.config.data import DataSection
+from services.common.config.errors import (
+    describe_problems,
+    sections_of,
+    source_label,
+    validation_problems,
+)
+from services.common.config.layers import (
+    ENVIRONMENT_SOURCE,
+    Layered,
+    bare_override_pattern,
+    command_line_source,
+    parse_override,
+)
 from services.common.config.learner import LearnerSection
 from services.common.config.model import ModelSection
 from services.common.config.probe import ProbeSection
@@ -24,19 +39,25 @@ from services.common.config.redis import RedisSection
 from services.common.config.retriever import RetrieverSection
 from services.common.config.rollout import RolloutSection
 from services.common.config.scorer import ScorerSection
+from services.common.config.subsections import (
+    register_subsection,
+    subsection_models,
+    subsection_problems,
+)
 
 __all__ = [
     "ConfigError",
     "RunConfig",
     "Section",
     "apply_overrides",
+    "is_bare_override",
     "load_config",
+    "load_config_layers",
     "parse_override",
+    "register_subsection",
 ]
 
-
-class ConfigError(ValueError):
-    """A config file or override that does not validate; the message names key and source."""
+ConfigPaths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None
 
 
 class RunConfig(Section):
@@ -53,93 +74,103 @@ class RunConfig(Section):
     model: ModelSection = Field(default_factory=ModelSection)
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """Split `learner.lr=1e-6` into (["learner", "lr"], 1e-6); the value is parsed as YAML."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} must look like section.key=value")
-    dotted, raw_value = text.split("=", 1)
-    keys = [part.strip() for part in dotted.split(".")]
-    if not dotted or any(not part for part in keys):
-        raise ConfigError(f"override {text!r} has an empty key")
-    try:
-        value = yaml.safe_load(raw_value) if raw_value != "" else ""
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"override {text!r}: value is not valid YAML ({exc})") from exc
-    return keys, value
+def is_bare_override(word: str) -> bool:
+    """Is a bare command-line word an override (`learner.lr=1e-6`, as Hydra users type it)?
+    Its first part must be a top-level key, so a path with '=' in it is never taken for one."""
+    return bool(_BARE_OVERRIDE.match(word))
 
 
 def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
     """Return a copy of `raw` with each dotted override set (intermediate maps created)."""
-    result: dict[str, Any] = _deep_copy(raw)
-    for override in overrides:
-        keys, value = parse_override(override)
-        node = result
-        for position, key in enumerate(keys[:-1]):
-            child = node.get(key)
-            if child is None:
-                child = {}
-                node[key] = child
-            elif not isinstance(child, dict):
-                prefix = ".".join(keys[: position + 1])
-                raise ConfigError(f"override {override!r}: {prefix} is not a section")
-            node = child
-        node[keys[-1]] = value
-    return result
+    layered = Layered()
+    layered.merge(raw, "<input>")
+    _apply(layered, overrides)
+    return layered.raw
 
 
 def load_config(
-    path: str | os.PathLike[str] | None = None,
+    path: ConfigPaths = None,
     overrides: Iterable[str] = (),
     environ: Mapping[str, str] | None = None,
 ) -> RunConfig:
-    """Load a run config from YAML (or defaults when `path` is None), apply overrides, validate.
+    """Load a run config: YAML file(s) merged in order (or defaults when `path` is None or
+    empty), then the overrides, then validation.
 
     `REDIS_URL` in the environment replaces `redis.url` unless an override set it explicitly.
     """
-    environ = os.environ if environ is None else environ
-    source = str(path) if path is not None else "<defaults>"
-    raw: dict[str, Any] = {}
-    if path is not None:
-        file_path = Path(path)
-        if not file_path.is_file():
-            raise ConfigError(f"config file {source} does not exist")
-        try:
-            loaded = yaml.safe_load(file_path.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{source}: the top level must be a mapping of sections")
-        raw = loaded
-    overrides = list(overrides)
-    redis_url_overridden = any(o.split("=", 1)[0].strip() == "redis.url" for o in overrides)
-    raw = apply_overrides(raw, overrides)
-    if environ.get("REDIS_URL") and not redis_url_overridden:
-        raw.setdefault("redis", {})
-        if not isinstance(raw["redis"], dict):
-            raise ConfigError(f"{source}: key 'redis' must be a mapping")
-        raw["redis"]["url"] = environ["REDIS_URL"]
+    layered = _layers(path, overrides, os.environ if environ is None else environ)
+    problems: list[str] = []
     try:
-        return RunConfig.model_validate(raw)
+        config = RunConfig.model_validate(layered.raw)
     except ValidationError as exc:
-        raise ConfigError(_describe_validation_error(exc, source)) from None
+        extra = any(e["type"] == "extra_forbidden" for e in exc.errors())
+        problems = validation_problems(exc, RunConfig, layered,
+                                       elsewhere=subsection_models() if extra else ())
+    problems.extend(subsection_problems(layered, sections_of(RunConfig, ())))
+    if problems:
+        raise ConfigError(describe_problems(problems))
+    return config
 
 
-def _describe_validation_error(exc: ValidationError, source: str) -> str:
-    lines = [f"invalid config ({source}):"]
-    for error in exc.errors():
-        key = ".".join(str(part) for part in error["loc"]) or "<root>"
-        if error["type"] == "extra_forbidden":
-            lines.append(f"  {key}: unknown key")
-        else:
-            lines.append(f"  {key}: {error['msg']} (got {error.get('input')!r})")
-    return "\n".join(lines)
+def load_config_layers(
+    path: ConfigPaths = None,
+    overrides: Iterable[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """Every key the files, overrides and environment set (dotted, leaves only) -> its source
+    (a file path, `the command line (a.b=c)` or `the environment (REDIS_URL)`)."""
+    layered = _layers(path, overrides, os.environ if environ is None else environ)
+    keys = sorted(layered.origin)
+    return {".".join(key): layered.origin[key] for key in keys
+            if not any(len(other) > len(key) and other[: len(key)] == key for other in keys)}
 
 
-def _deep_copy(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {key: _deep_copy(child) for key, child in value.items()}
-    if isinstance(value, list):
-        return [_deep_copy(child) for child in value]
-    return value
+def _layers(path: ConfigPaths, overrides: Iterable[str], environ: Mapping[str, str]) -> Layered:
+    layered = Layered()
+    for file_path in _as_paths(path):
+        layered.merge(read_config_file(file_path), str(file_path))
+    overrides = list(overrides)
+    _apply(layered, overrides)
+    redis_url_overridden = any(parse_override(o)[0] == ["redis", "url"] for o in overrides)
+    if environ.get("REDIS_URL") and not redis_url_overridden:
+        redis = layered.raw.get("redis")
+        if redis is not None and not isinstance(redis, dict):
+            raise ConfigError(describe_problems([
+                f"redis: must be a mapping (got {redis!r}); "
+                f"{source_label(layered.source_of(['redis']))}"]))
+        layered.set(["redis", "url"], environ["REDIS_URL"], ENVIRONMENT_SOURCE, "REDIS_URL")
+    return layered
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """One config file's top-level mapping (an empty file is an empty mapping)."""
+    source = str(path)
+    file_path = Path(path)
+    if not file_path.is_file():
+        raise ConfigError(f"config file {source} does not exist")
+    try:
+        loaded = yaml.safe_load(file_path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    return loaded
+
+
+def _as_paths(path: ConfigPaths) -> list[str | os.PathLike[str]]:
+    if path is None:
+        return []
+    if isinstance(path, str | os.PathLike):
+        return [path]
+    return list(path)
+
+
+def _apply(layered: Layered, overrides: Iterable[str]) -> None:
+    for override in overrides:
+        keys, value = parse_override(override)
+        layered.set(keys, value, command_line_source(override), override)
+
+
+_BARE_OVERRIDE = bare_override_pattern(RunConfig.model_fields)

@@ -1,0 +1,35 @@
+"""`forage config show --config FILE [--config FILE ...] [key=value ...]`: the merged config.
+
+What every service of the run would read after the files are merged and the overrides applied
+(Hydra's `--cfg job`), validated: a bad key exits 2 with the error naming it and its source.
+`--sources` adds, per key set by a file, an override or the environment, where it came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import yaml
+
+from services.common.cli_args import add_config_args, config_from_args
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="command")
+    show = sub.add_parser("show", help="print the merged, validated config as YAML")
+    add_config_args(show, required=False)
+    show.add_argument("--sources", action="store_true",
+                      help="list where each set key came from (file, command line, environment)")
+    show.set_defaults(handler=_show)
+
+
+def _show(args: argparse.Namespace) -> int:
+    from services.common.config import load_config_layers
+
+    cfg = config_from_args(args)
+    print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+    if args.sources:
+        print("# sources:")
+        for key, source in load_config_layers(args.config, args.overrides).items():
+            print(f"#   {key}: {source}")
+    return 0
