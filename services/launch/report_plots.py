@@ -53,6 +53,7 @@ HEALTH_PANELS: tuple[tuple[str, tuple[tuple[str, str], ...], str], ...] = (
                         ("actor/clipfrac_high", "ratio > 1 + eps_high"),
                         ("actor/clipfrac_low", "ratio < 1 - eps_low"),
                         ("actor/tis_clipfrac", "TIS weight capped"),
+                        ("rollout_corr/rollout_is_ratio_fraction_high", "IS weight capped"),
                         ("critic/vf_clipfrac", "value clipped")),
      "no clip fractions logged"),
     ("grad norm", (("actor/grad_norm", "actor"), ("critic/grad_norm", "critic")),
