@@ -69,8 +69,8 @@ def verify_checksums(index_dir: Path, manifest: dict[str, Any]) -> None:
             actual = file_checksum(path)
         if actual != expected:
             raise IndexLoadError(
-                f"{index_dir}: {name} does not match its checksum ({actual}, the manifest "
-                f"says {expected}): the file is corrupt; copy the index again or rebuild it"
+                f"{index_dir}: {name} is corrupt: its checksum is {actual}, the manifest "
+                f"says {expected}; copy the index again or rebuild it"
             )
         with _verified_lock:
             _verified[key] = actual
