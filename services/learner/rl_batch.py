@@ -133,10 +133,15 @@ def assign_advantages(
     GRPOTrainer: it is left out of every baseline and normalisation (group mean and std, batch
     whitening) and gets advantage 0, so it neither moves the policy nor biases the others'
     baselines; it stays in the batch (KL and loss normalisation see it, as in TRL). Its returns
-    are 0, or its own values under GAE (no pull on the critic)."""
+    are 0, or its own values under GAE (no pull on the critic). Under ReMax a group whose greedy
+    baseline is unscorable is treated the same way (no baseline, no advantage).
+    `reward_baselines`: ReMax's greedy reward per group uid."""
     if len(samples) != len(items):
         raise ValueError(f"{len(samples)} samples for {len(items)} scored trajectories")
     scorable = [row for row, item in enumerate(items) if not math.isnan(float(item.reward))]
+    if estimator == "remax" and reward_baselines:  # an unscorable greedy sample: no baseline
+        scorable = [row for row in scorable if not math.isnan(
+            float(reward_baselines.get(items[row].trajectory.uid, 0.0)))]
     if len(scorable) == len(items):
         return _assign(samples, items, options, estimator, bnpo_state, kl_controller,
                        overconf_coeff, reward_baselines)

@@ -88,6 +88,33 @@ def test_ledger_checkpoint_keeps_the_baseline_flag():
     assert (again.reason, again.baseline_missing) == ("resume", True)
 
 
+def _scored(uid: str, index: int, reward: float) -> ScoredTrajectory:
+    from services.common.trajectory import Trajectory, Turn
+
+    response = [5, 6, 7][: 2 + index % 2]
+    traj = Trajectory(uid=uid, sample_id=f"{uid}:0:{index}", data_source="synth",
+                      policy_version=1, prompt_ids=[1, 2], response_ids=response,
+                      loss_mask=[1] * len(response), rollout_logprobs=[-1.0] * len(response),
+                      turns=[Turn(0, len(response), "answer")])
+    return ScoredTrajectory(traj, reward=reward)
+
+
+def test_remax_advantages_use_the_group_baseline():
+    from services.learner.algorithms import AlgorithmSettings
+    from services.learner.rl_batch import assign_advantages, samples_of
+
+    items = [_scored("a", 0, 1.0), _scored("a", 1, 0.0), _scored("b", 0, 1.0)]
+    samples = samples_of(items)
+    assign_advantages(samples, items, AlgorithmSettings(), "remax",
+                      reward_baselines={"a": 0.25, "b": float("nan")})
+    adv = [s.response_field("advantages").tolist() for s in samples]
+    assert adv[0] == pytest.approx([0.75, 0.75])  # reward-to-go 1 - greedy 0.25 per token
+    assert adv[1] == pytest.approx([-0.25] * 3)
+    assert adv[2] == [0.0, 0.0]  # the greedy sample was unscorable: no baseline, no advantage
+    with pytest.raises(ValueError, match="no greedy baseline reward for groups"):
+        assign_advantages(samples, items, AlgorithmSettings(), "remax", reward_baselines={})
+
+
 class RemaxScript(H.Script):
     """Main groups answered as test_loop's scripted replicas do (sample i gets reward i % 2);
     greedy groups get reward 0.75; the very first greedy group is left unanswered once."""
