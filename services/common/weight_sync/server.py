@@ -115,7 +115,7 @@ class WeightSyncServer:
         grpc_options: list[tuple[str, object]] | None = None,
         max_fetches: int | None = None,
         max_fetches_per_peer: int | None = None,
-        stall_timeout_s: float = 30.0,
+        stall_timeout_s: float = 20.0,
     ) -> None:
         if chunk_bytes < 1:
             raise ValueError("chunk_bytes must be positive")
