@@ -18,9 +18,12 @@ from typing import Any, Literal, Protocol
 FinishCause = Literal["stop", "eos", "length", "aborted", "error"]
 
 
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass
 class SamplingParams:
-    """Per-request sampling. temperature 0 means greedy (evaluation)."""
+    """Per-request sampling. temperature 0 (or below 1e-5) means greedy (evaluation)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -32,7 +35,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0
+        # Below GREEDY_TEMPERATURE, logits / temperature overflows to inf and the softmax to
+        # NaN; vLLM treats such temperatures as greedy too (its _SAMPLING_EPS, 1e-5).
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass

@@ -204,3 +204,15 @@ def test_static_batching_mode_gives_the_same_sequences(tiny_policy_dir):
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     # static batches keep finished rows stepping: more forward steps for the same tokens
     assert static.tokens_generated == dynamic.tokens_generated
+
+
+def test_vanishing_temperature_is_greedy_not_nan(engine):
+    """1e-300 used to divide the logits to inf and crash sampling on NaN probabilities; below
+    1e-5 the engine decodes greedily, as vLLM does."""
+    prompts = _prompts(engine.tokenizer, 3)
+    greedy = engine.generate(GenerationRequest(p, SamplingParams(temperature=0, max_tokens=6))
+                             for p in prompts)
+    tiny = engine.generate(GenerationRequest(p, SamplingParams(temperature=1e-300, max_tokens=6))
+                           for p in prompts)
+    assert [o.token_ids for o in tiny] == [o.token_ids for o in greedy]
+    assert all(lp == lp for o in tiny for lp in o.logprobs)
