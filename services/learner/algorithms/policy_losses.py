@@ -178,8 +178,9 @@ def sapo(log_prob, old_log_prob, advantages, response_mask, s: LossSettings,
     mask = _fmask(response_mask, log_prob)
     ratio, log_ratio = importance_ratio(log_prob, old_log_prob, mask, s.ratio_kind,
                                         s.log_ratio_clamp)
-    tau = torch.where(advantages > 0, torch.as_tensor(s.tau_pos, dtype=log_prob.dtype),
-                      torch.as_tensor(s.tau_neg, dtype=log_prob.dtype))
+    like = {"dtype": log_prob.dtype, "device": log_prob.device}
+    tau = torch.where(advantages > 0, torch.tensor(s.tau_pos, **like),
+                      torch.tensor(s.tau_neg, **like))
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     loss = _agg(_weighted(-gate * advantages, rollout_is_weights), mask, s,
                 "seq-mean-token-mean")
@@ -234,8 +235,8 @@ def vespo(log_prob, old_log_prob, advantages, response_mask, s: LossSettings,
         log_w = seq_log.clamp(lower, 20.0)
         nonneg = advantages >= 0
         def pick(pos: float, neg: float) -> torch.Tensor:
-            return torch.where(nonneg, torch.tensor(pos, dtype=log_prob.dtype),
-                               torch.tensor(neg, dtype=log_prob.dtype))
+            like = {"dtype": log_prob.dtype, "device": log_prob.device}
+            return torch.where(nonneg, torch.tensor(pos, **like), torch.tensor(neg, **like))
 
         k = pick(s.vespo_k_pos, s.vespo_k_neg)
         lam = pick(s.vespo_lambda_pos, s.vespo_lambda_neg).clamp(min=1e-4)
