@@ -1,7 +1,12 @@
 """`POST /score` for scoring by hand or from another tool, with /healthz and /metrics.
 
-The endpoint is a sync handler, so FastAPI runs it on a thread: math_verify cannot run there
-(SIGALRM), which is why it goes through the Scorer's worker-process pool like the stream path.
+The endpoint is a sync handler, so FastAPI runs it on a thread. Every reward it calls runs in
+the Scorer's worker-process pool (`isolate_all`): math_verify needs a main thread (SIGALRM),
+and no reward a request reaches may hold a server thread without limit — a pool worker that
+makes no progress for `scorer.math_timeout_s` is killed and the call scores 0, while a thread
+cannot be stopped. Bodies over `scorer.max_body_bytes` are refused with 413 before they are
+read whole. The OpenAPI schema lists the data sources this scorer knows (an enum), so a client
+generated from it, or a fuzzer, reaches the reward functions; any other name is a 404.
 """
 
 from __future__ import annotations
@@ -13,17 +18,21 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, HTTPException
+from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
 
+from services.common.config.scorer import ScorerSection
+from services.common.http_limits import BodyLimit
 from services.common.metrics import metrics_app
 from services.scorer.scoring import Scorer
 
 
 class ScoreBody(BaseModel):
-    data_source: str
-    solution_str: str
-    ground_truth: Any = None
-    extra_info: dict[str, Any] | None = None
+    data_source: str = Field(description="names the reward functions (404 for an unknown one)")
+    solution_str: str = Field(description="the decoded response")
+    ground_truth: Any = Field(default=None, description="in the shape the reward expects")
+    extra_info: dict[str, Any] | None = Field(default=None,
+                                              description="verl's extra_info, for custom rewards")
 
 
 class ScoreReply(BaseModel):
@@ -36,17 +45,23 @@ def _finite(value: float) -> float | None:
     return None if math.isnan(value) or math.isinf(value) else value
 
 
-def create_app(scorer: Scorer) -> FastAPI:
+def create_app(scorer: Scorer, settings: ScorerSection | None = None) -> FastAPI:
+    """The app over `scorer`; `settings` (the `scorer` config section) gives the body limit."""
+    settings = settings or ScorerSection()
     app = FastAPI(title="forage scorer", description="Reward functions of the scorer service")
 
-    @app.post("/score", response_model=ScoreReply)
+    @app.post("/score", response_model=ScoreReply, responses={
+        404: {"description": "no reward function for this data source; the known ones listed"},
+        413: {"description": "body over scorer.max_body_bytes"},
+        422: {"description": "an invalid field, or the reward function raised (its message)"},
+    })
     def score(body: ScoreBody) -> ScoreReply:
         try:
             scorer.components(body.data_source)
         except KeyError as exc:
             raise HTTPException(status_code=404, detail=str(exc)) from None
         result = scorer.score_one(body.data_source, body.solution_str, body.ground_truth,
-                                  body.extra_info)
+                                  body.extra_info, isolate_all=True)
         if result.error:
             raise HTTPException(status_code=422, detail=result.error)
         return ScoreReply(score=_finite(result.score),
@@ -58,6 +73,19 @@ def create_app(scorer: Scorer) -> FastAPI:
         return {"status": "ok"}
 
     app.mount("/metrics", metrics_app())
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's schema, with the known data sources as `data_source`'s enum."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version,
+                                 description=app.description, routes=app.routes)
+            field = schema["components"]["schemas"]["ScoreBody"]["properties"]["data_source"]
+            field["enum"] = scorer.table.known_sources()
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     return app
 
 
@@ -69,7 +97,12 @@ class HttpServer:
 
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
+        try:
+            self.sock.bind((host, port))
+        except OSError as exc:  # name the address: the bare error does not (port in use)
+            self.sock.close()
+            raise OSError(exc.errno, f"cannot listen on {host}:{port} for POST /score "
+                                     f"(scorer.host, scorer.port): {exc.strerror}") from None
         self.host = host
         self.port = self.sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))

@@ -4,6 +4,13 @@
 The stream worker, `POST /score` and `forage score` all score through this class, so a reward
 means the same thing everywhere. A reward function that raises makes its item fail with the
 error (the service dead-letters it); a timeout scores 0 and is counted.
+
+`isolate_all=True` (what `POST /score` asks for) sends every reward call to the pool: a request
+from the network must not hold a server thread for as long as a reward function likes, and a
+Python thread cannot be stopped, while a pool worker is killed after `timeout_s` without
+progress (the call scores 0 and is counted, as a math_verify timeout is). The stream path runs
+the built-in text rewards here (linear in the response, which the rollout bounds) and users'
+functions where their `isolated` flag says.
 """
 
 from __future__ import annotations
@@ -83,7 +90,9 @@ class Scorer:
             options["timeout_s"] = self.inner_timeout_s
         return options
 
-    def score_many(self, requests: list[ScoreRequest]) -> list[ScoreResult]:
+    def score_many(self, requests: list[ScoreRequest],
+                   isolate_all: bool = False) -> list[ScoreResult]:
+        """One result per request, in order; `isolate_all` runs every reward in the pool."""
         plans: list[list[Component] | None] = []
         results = [ScoreResult() for _ in requests]
         for request, result in zip(requests, results, strict=True):
@@ -96,8 +105,8 @@ class Scorer:
         # Without a pool of its own, isolated rewards still run in a pool off the main thread
         # (math_verify's SIGALRM limits need the main thread): the shared one.
         pool = self.pool
-        if pool is None and not on_main_thread() and any(
-                c.function.isolated for plan in plans for c in plan or []):
+        if pool is None and (isolate_all or not on_main_thread()) and any(
+                isolate_all or c.function.isolated for plan in plans for c in plan or []):
             pool = shared_pool()
         jobs: list[Job] = []
         job_slots: list[tuple[int, int]] = []
@@ -106,7 +115,7 @@ class Scorer:
                 args = (request.data_source, request.solution_str, request.ground_truth,
                         request.extra_info)
                 options = self._options(component, request.for_probe)
-                if component.function.isolated and pool is not None:
+                if (isolate_all or component.function.isolated) and pool is not None:
                     jobs.append(Job(component.function.ref, args, options))
                     job_slots.append((i, j))
                     continue
@@ -161,6 +170,6 @@ class Scorer:
         return [result.score for result in results]
 
     def score_one(self, data_source: str, solution_str: str, ground_truth: Any,
-                  extra_info: dict | None = None) -> ScoreResult:
+                  extra_info: dict | None = None, isolate_all: bool = False) -> ScoreResult:
         return self.score_many([ScoreRequest(data_source, solution_str, ground_truth,
-                                             extra_info)])[0]
+                                             extra_info)], isolate_all=isolate_all)[0]

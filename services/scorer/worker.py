@@ -299,7 +299,8 @@ def serve(config: RunConfig) -> int:
     if config.scorer.http:
         from services.scorer.app import HttpServer, create_app
 
-        http = HttpServer(create_app(scorer), config.scorer.host, config.scorer.port).start()
+        http = HttpServer(create_app(scorer, config.scorer), config.scorer.host,
+                          config.scorer.port).start()
         log_.info("POST /score on http://%s:%d", config.scorer.host, http.port)
     try:
         worker.run()

@@ -34,6 +34,9 @@ class ScorerSection(Section):
     # free port (logged); set `http: false` to run the stream worker alone.
     port: int = Field(default=8010, ge=0, le=65535)
     http: bool = True
+    # POST /score refuses larger bodies with 413 before reading them whole (a 32k-token
+    # response is ~130 KB of text).
+    max_body_bytes: int = Field(default=2 * 1024 * 1024, ge=1)
     # Prometheus /metrics + /healthz of the stream worker (0: any free port, logged).
     metrics_port: int = Field(default=0, ge=0, le=65535)
     # Tokenizer that decodes response ids (None: model.tokenizer_path, else model.path).

@@ -15,11 +15,11 @@ from typing import Literal
 
 from services.common.formats import SEARCH_R1_TEMPLATE
 from services.scorer.rewards.text import (
-    ANSWER_PATTERN,
     gold_answers,
     last_answer,
     normalize_answer,
     response_part,
+    tag_contents,
 )
 
 
@@ -75,7 +75,6 @@ def qa_f1(solution_str: str, ground_truth: object) -> float:
 
 _TAG_SPLIT = re.compile(r"(</?(?:think|search|information|answer)>)")
 _TAGS = ("think", "search", "information", "answer")
-_INFORMATION = re.compile(r"<information>(.*?)</information>", re.DOTALL)
 
 # state machine: (state, tag) -> next state. A valid response is
 # think -> (search -> information -> think)* -> answer, with only whitespace between blocks
@@ -120,7 +119,7 @@ def is_valid_sequence(text: str) -> bool:
 
 def retrieval_correct(text: str, golds: list[str]) -> bool:
     """A gold answer appears in some `<information>` block (substring after normalisation)."""
-    blocks = _INFORMATION.findall(response_part(text))
+    blocks = tag_contents(response_part(text), "information")
     return any(subem_check(block, golds) for block in blocks)
 
 
@@ -155,7 +154,7 @@ def qa_em_format(
         text = search_r1_view(solution_str)
         valid = search_r1_valid(text)
         retrieved = valid and any(subem_check(block, golds)
-                                  for block in _INFORMATION.findall(text))
+                                  for block in tag_contents(text, "information"))
         answer = search_r1_answer(text)
     elif mode == "forage":
         valid = is_valid_sequence(solution_str)
@@ -198,7 +197,7 @@ def search_r1_answer(text: str) -> str | None:
     are fewer than two complete answers, else the last one, stripped. Its prompt holds two
     (`<answer> and </answer>`, `<answer> Beijing </answer>`), so a response without one is
     read as answering "Beijing"."""
-    matches = ANSWER_PATTERN.findall(text)
+    matches = tag_contents(text, "answer")
     if len(matches) <= 1:
         return None
     return matches[-1].strip()

@@ -13,7 +13,6 @@ import string
 
 from services.common.formats import SEARCH_R1_TEMPLATE
 
-ANSWER_PATTERN = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 ASSISTANT_MARKERS: tuple[str, ...] = ("<|im_start|>assistant", "Assistant:")
 # Search-R1's instruction names every tag (`<answer> and </answer>`) and shows an example
 # answer; none of it is the model's. The whole instruction is dropped (a prompt + response
@@ -38,9 +37,31 @@ def response_part(text: str) -> str:
     return text.replace(SEARCH_R1_INSTRUCTION, "").replace(TEMPLATE_EXAMPLE, "")
 
 
+def tag_contents(text: str, tag: str) -> list[str]:
+    """The content of every `<tag>…</tag>` block, left to right: what
+    `re.findall(r"<tag>(.*?)</tag>", text, re.DOTALL)` returns, in linear time.
+
+    Why not that pattern: from every opening tag without a closing one, its lazy `.*?` scans to
+    the end of the text before giving up, and the regex engine then retries at the next opening
+    tag, so 64 KB of `<answer>` took seconds and 1 MB would take minutes (issue 14). Here each
+    block ends at the first closing tag after its opening tag, as the lazy match does, and an
+    opening tag without a closing tag after it ends the scan: no later one can have one either.
+    """
+    opening, closing = f"<{tag}>", f"</{tag}>"
+    contents: list[str] = []
+    position = 0
+    while (start := text.find(opening, position)) != -1:
+        end = text.find(closing, start + len(opening))
+        if end == -1:
+            break
+        contents.append(text[start + len(opening):end])
+        position = end + len(closing)
+    return contents
+
+
 def last_answer(text: str) -> str | None:
     """Content of the last `<answer>…</answer>` of the response, stripped; None when absent."""
-    matches = ANSWER_PATTERN.findall(response_part(text))
+    matches = tag_contents(response_part(text), "answer")
     if not matches:
         return None
     return matches[-1].strip()
