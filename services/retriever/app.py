@@ -14,7 +14,7 @@ import threading
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -26,9 +26,10 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StringConstraints, create_model
 
 from services.common.config.retriever import RetrieverSection
+from services.common.http_limits import BodyLimit
 from services.retriever.batcher import MicroBatcher
 
 log = logging.getLogger("forage.retriever.server")
@@ -57,6 +58,31 @@ class RetrieveRequest(BaseModel):
     queries: list[str] = Field(description="search queries, answered in order")
     topk: int | None = Field(default=None, description="passages per query; null/0 = default")
     return_scores: bool = Field(default=False, description="wrap each doc with its score")
+
+
+def request_model(settings: RetrieverSection) -> type[BaseModel]:
+    """RetrieveRequest with this server's limits as JSON-schema constraints (`minItems`,
+    `maxItems`, `maxLength`, `maximum`), so /openapi.json says what `parse_request` enforces;
+    the limits that span fields (results, characters per request) are in the descriptions."""
+    query = Annotated[str, StringConstraints(max_length=settings.max_query_chars)]
+    return create_model(
+        "RetrieveRequest",
+        __doc__=RetrieveRequest.__doc__,
+        queries=(list[query], Field(
+            min_length=1, max_length=settings.max_queries_per_request,
+            description=(
+                "search queries, answered in order; an empty string is a query (answered as "
+                f"Search-R1 does); at most {settings.max_request_chars} characters in all "
+                "(413 beyond)"
+            ))),
+        topk=(int | None, Field(
+            default=None, ge=0, le=settings.max_topk,
+            description=(
+                "passages per query; null/0 = the server's default; queries × topk at most "
+                f"{settings.max_results_per_request} (413 beyond)"
+            ))),
+        return_scores=(bool, Field(default=False, description="wrap each doc with its score")),
+    )
 
 
 class Doc(BaseModel, extra="allow"):
@@ -100,6 +126,7 @@ def parse_request(body: bytes, settings: RetrieverSection) -> tuple[list[str], i
             413, f"queries: at most {settings.max_queries_per_request} per request "
             f"(got {len(queries)})"
         )
+    total_chars = 0
     for position, query in enumerate(queries):
         where = f"queries[{position}]"
         if not isinstance(query, str):
@@ -115,6 +142,14 @@ def parse_request(body: bytes, settings: RetrieverSection) -> tuple[list[str], i
             query.encode("utf-8")
         except UnicodeEncodeError:
             raise BadRequest(422, f"{where}: not valid Unicode (lone surrogate)") from None
+        total_chars += len(query)
+    # The encoder's work grows with the text: bounded per request, so that no request can hold
+    # the encoder for long (others interleave between its chunks, but it would still end late).
+    if total_chars > settings.max_request_chars:
+        raise BadRequest(
+            413, f"queries: {total_chars} characters in all, at most "
+            f"{settings.max_request_chars} per request (send fewer queries per request)"
+        )
     topk = data.get("topk")
     if topk is None or (isinstance(topk, int) and not isinstance(topk, bool) and topk == 0):
         topk = settings.topk
@@ -135,59 +170,6 @@ def parse_request(body: bytes, settings: RetrieverSection) -> tuple[list[str], i
     if not isinstance(return_scores, bool):
         raise BadRequest(422, "return_scores: must be true or false")
     return queries, topk, return_scores
-
-
-class BodyLimit:
-    """ASGI middleware: refuse bodies over the limit before anything buffers them whole."""
-
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None:
-            try:
-                too_big = int(declared) > self.max_bytes
-            except ValueError:
-                too_big = False
-            if too_big:
-                await self._reject(send)
-                return
-        chunks, total = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                break
-            chunk = message.get("body", b"")
-            total += len(chunk)
-            if total > self.max_bytes:
-                await self._reject(send)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        delivered = False
-
-        async def replay():
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _reject(self, send) -> None:
-        body = json.dumps({"detail": f"body: larger than {self.max_bytes} bytes"}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
 
 
 class ServerState:
@@ -257,9 +239,10 @@ def create_app(index_dir: str | Path, settings: RetrieverSection, device: str | 
         "/retrieve",
         response_model=RetrieveResponse,
         openapi_extra={"requestBody": {"required": True, "content": {
-            "application/json": {"schema": RetrieveRequest.model_json_schema()}}}},
+            "application/json": {"schema": request_model(settings).model_json_schema()}}}},
         responses={400: {"description": "body is not JSON"},
-                   413: {"description": "body or query list over the limit"},
+                   413: {"description": "body, query list, results or characters over the "
+                                        "limit"},
                    422: {"description": "a field is invalid; the message names it"},
                    503: {"description": "index still loading"}},
     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from services.common.config.base import Section
 
@@ -31,5 +31,20 @@ class RetrieverSection(Section):
     # queries × topk of one request: bounds the response (4096 queries at topk 16).
     max_results_per_request: int = Field(default=65536, ge=1)
     max_query_chars: int = Field(default=2048, ge=1)
+    # Characters of all queries of one request together: bounds its encoder work (the cost
+    # grows with the text: 512 queries of 2046 characters took 64 s on CPU, issue 14). 262144
+    # holds Search-R1's 2560-query GRPO turn at 100 characters a query (~13 s on one CPU
+    # thread); a larger request is refused with 413 and Forage's rollout client splits it.
+    # At least max_query_chars, so every legal query can be sent alone.
+    max_request_chars: int = Field(default=262144, ge=1)
     # 4096 queries of up to 2048 characters fit (about 8.4 MB of ASCII JSON).
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1)
+
+    @model_validator(mode="after")
+    def _request_holds_one_query(self) -> RetrieverSection:
+        if self.max_request_chars < self.max_query_chars:
+            raise ValueError(
+                f"max_request_chars ({self.max_request_chars}) must be at least max_query_chars "
+                f"({self.max_query_chars}): a query of legal length must fit in a request"
+            )
+        return self
