@@ -85,6 +85,20 @@ def test_redis_url_from_environment_unless_overridden() -> None:
     assert explicit.redis.url == "redis://127.0.0.1:7000/0"
 
 
+def test_weight_sync_token_from_environment_unless_overridden() -> None:
+    """The deploy files hand the token to the learner and the replicas as an environment
+    variable (a compose .env / a Kubernetes Secret), never on a command line or in a file."""
+    env = {"FORAGE_WEIGHT_SYNC_TOKEN": "s3cret"}
+    assert load_config(None, environ=env).learner.weight_sync_token == "s3cret"
+    assert load_config(None, environ={}).learner.weight_sync_token is None
+    explicit = load_config(None, ["learner.weight_sync_token=other"], environ=env)
+    assert explicit.learner.weight_sync_token == "other"
+    from services.common.config import load_config_layers
+
+    sources = load_config_layers(None, environ=env)
+    assert sources == {"learner.weight_sync_token": "the environment (FORAGE_WEIGHT_SYNC_TOKEN)"}
+
+
 def test_every_shipped_config_validates() -> None:
     shipped = sorted((REPO / "configs").glob("*.yaml"))
     assert shipped, "configs/ must hold at least one documented example"

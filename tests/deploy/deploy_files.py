@@ -26,6 +26,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yml"
 LAYOUTS = {n: REPO / "deploy" / "compose" / f"gpus-{n}.yml" for n in (1, 2, 8)}
+# The variables a user puts in .env next to docker-compose.yml (docs/deploy.md); compose
+# refuses to start without them.
+USER_ENV = {"FORAGE_WEIGHT_SYNC_TOKEN": "rehearsal-token-0123456789abcdef"}
 K8S_ROOT = REPO  # kustomization.yaml at the repository root (configMapGenerator + deploy/k8s)
 K8S_VERSION = "1.32.0"
 
@@ -63,11 +66,17 @@ def load_compose_file(path: Path) -> dict[str, Any]:
     return yaml.load(path.read_text(), Loader=_ComposeLoader)  # noqa: S506 (SafeLoader subclass)
 
 
-_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+class MissingVariable(ValueError):
+    """`${VAR:?message}` / `${VAR?message}` with VAR unset (or empty, for `:?`): compose stops
+    with the message."""
 
 
 def interpolate(value: Any, env: dict[str, str]) -> Any:
-    """Compose's `${VAR}`, `${VAR:-default}`, `${VAR-default}`, `$VAR` and `$$`."""
+    """Compose's `${VAR}`, `${VAR:-default}`, `${VAR-default}`, `${VAR:?error}`,
+    `${VAR?error}`, `$VAR` and `$$`."""
     if isinstance(value, dict):
         return {k: interpolate(v, env) for k, v in value.items()}
     if isinstance(value, list):
@@ -87,6 +96,8 @@ def interpolate(value: Any, env: dict[str, str]) -> Any:
             return default
         if op == "-" and current is None:
             return default
+        if (op == ":?" and not current) or (op == "?" and current is None):
+            raise MissingVariable(f"required variable {name} is missing a value: {default}")
         return current or ""
 
     return _VAR.sub(sub, value)

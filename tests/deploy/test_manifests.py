@@ -11,6 +11,7 @@ commands are in test_rehearsal.py.
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -68,7 +69,7 @@ def _container(workload: dict) -> dict:
 
 @pytest.mark.parametrize("gpus", [4, 1, 2, 8])
 def test_compose_files_validate_against_the_compose_spec(deploy, gpus):
-    model = deploy.compose_model(*_layout_files(deploy, gpus), env={})
+    model = deploy.compose_model(*_layout_files(deploy, gpus), env=deploy.USER_ENV)
     assert deploy.schema_errors(model, deploy.compose_schema()) == []
 
 
@@ -80,7 +81,7 @@ def test_compose_files_validate_against_the_compose_spec(deploy, gpus):
      .update(device_ids="0"), "device_ids"),
 ])
 def test_compose_schema_rejects_a_malformed_copy(deploy, mutate, expected):
-    model = deploy.compose_model(env={})
+    model = deploy.compose_model(env=deploy.USER_ENV)
     mutate(model)
     errors = deploy.schema_errors(model, deploy.compose_schema())
     assert errors and any(expected in e for e in errors), errors
@@ -152,7 +153,7 @@ def test_configmap_is_the_compose_config_at_the_same_path(deploy, rendered):
 # ------------------------------------------------------------------ compose == kubernetes
 
 def test_compose_and_kubernetes_run_the_same_commands(deploy, rendered):
-    services = deploy.compose_model(env={})["services"]
+    services = deploy.compose_model(env=deploy.USER_ENV)["services"]
     for service, (kind, name) in WORKLOADS.items():
         compose = services[service]
         container = _container(deploy.by_kind(rendered, kind)[name])
@@ -160,14 +161,17 @@ def test_compose_and_kubernetes_run_the_same_commands(deploy, rendered):
             compose["build"]["target"])) + container["args"]
         assert k8s_argv == _argv(compose, deploy), service
         assert container["image"] == compose["image"], service
-        k8s_env = {e["name"]: e["value"] for e in container.get("env", [])}
-        assert k8s_env == {k: str(v) for k, v in compose["environment"].items()}, service
+        # the same variables; a secret comes from the user's .env in compose, a Secret in k8s
+        k8s_env = {e["name"]: e.get("value", "<secret>") for e in container.get("env", [])}
+        compose_env = {k: ("<secret>" if k == "FORAGE_WEIGHT_SYNC_TOKEN" else str(v))
+                       for k, v in compose["environment"].items()}
+        assert k8s_env == compose_env, service
         assert _argv(compose, deploy)[_argv(compose, deploy).index("forage") + 1] in COMMAND_GROUPS
 
 
 def test_every_forage_command_parses_and_names_the_shared_config(deploy):
     for gpus in LAYOUTS:
-        model = deploy.compose_model(*_layout_files(deploy, gpus), env={})
+        model = deploy.compose_model(*_layout_files(deploy, gpus), env=deploy.USER_ENV)
         for name, service in _forage_services(model).items():
             argv = _argv(service, deploy)
             args = argv[argv.index("forage") + 1:]
@@ -180,7 +184,7 @@ def test_every_forage_command_parses_and_names_the_shared_config(deploy):
 
 def test_config_addresses_match_services_ports_and_probes(deploy, rendered):
     cfg = _config()
-    services = deploy.compose_model(env={})["services"]
+    services = deploy.compose_model(env=deploy.USER_ENV)["services"]
     k8s_services = deploy.by_kind(rendered, "Service")
     listeners = {  # config host:port -> compose service
         ("redis", 6379): "redis",
@@ -239,7 +243,7 @@ def test_listeners_bind_every_interface_in_the_deploy_config():
 
 @pytest.mark.parametrize("gpus", sorted(LAYOUTS))
 def test_gpu_layout_places_each_service_on_its_own_gpus(deploy, gpus):
-    services = deploy.compose_model(*_layout_files(deploy, gpus), env={})["services"]
+    services = deploy.compose_model(*_layout_files(deploy, gpus), env=deploy.USER_ENV)["services"]
     placed = {n: deploy.device_ids(s) for n, s in services.items() if deploy.gpu_requests(s)
               or n in LAYOUTS[gpus]}
     assert placed == LAYOUTS[gpus]
@@ -262,7 +266,7 @@ def test_gpu_layout_places_each_service_on_its_own_gpus(deploy, gpus):
 
 
 def test_layout_rollout_replicas_repeat_the_rollout_service(deploy):
-    services = deploy.compose_model(deploy.COMPOSE_FILE, deploy.LAYOUTS[8], env={})["services"]
+    services = deploy.compose_model(deploy.COMPOSE_FILE, deploy.LAYOUTS[8], env=deploy.USER_ENV)["services"]
     base = {k: v for k, v in services["rollout"].items() if k != "deploy"}
     for name in ("rollout-2", "rollout-3"):
         replica = {k: v for k, v in services[name].items() if k not in ("deploy", "networks")}
@@ -275,7 +279,7 @@ def test_every_service_mounts_the_paths_its_config_names(deploy):
     cfg = _config()
     data_paths = [cfg.model.path, cfg.retriever.index_dir, *cfg.data.train_files]
     assert all(p.startswith("/data/") for p in data_paths)
-    model = deploy.compose_model(env={})
+    model = deploy.compose_model(env=deploy.USER_ENV)
     for name, service in _forage_services(model).items():
         targets = {str(v).split(":")[1] for v in service["volumes"]}
         needs = {"/data"} if name == "retriever-index" else {"/config", "/data"}
@@ -317,7 +321,7 @@ def test_pods_run_as_the_image_user_with_writable_volumes(deploy, rendered):
 
 def test_slow_starts_are_not_killed(deploy, rendered):
     """Healthchecks and probes allow minutes of index/model loading."""
-    services = deploy.compose_model(env={})["services"]
+    services = deploy.compose_model(env=deploy.USER_ENV)["services"]
     minutes = {"retriever": 10, "rollout": 10, "learner": 10, "scorer": 2}
     for name, least in minutes.items():
         period = services[name]["healthcheck"]["start_period"]
@@ -331,8 +335,30 @@ def test_images_and_environment_download_nothing(deploy):
     text = (REPO / "deploy" / "Dockerfile").read_text()
     stages = text.split("\nFROM ")[1:]
     assert len(stages) == 2 and all("HF_HUB_OFFLINE=1" in s for s in stages)
-    for name, service in _forage_services(deploy.compose_model(env={})).items():
+    for name, service in _forage_services(deploy.compose_model(env=deploy.USER_ENV)).items():
         assert service["environment"]["HF_HUB_OFFLINE"] == "1", name
+
+
+def test_weight_sync_token_is_required_and_reaches_both_sides(deploy, rendered):
+    """Issue 14 item 6: the weight server is authenticated by default. Compose refuses to start
+    without the token (named in the error); the learner and every rollout replica, in compose
+    and in Kubernetes, get it from the environment, which the config loader reads."""
+    with pytest.raises(deploy.MissingVariable, match="FORAGE_WEIGHT_SYNC_TOKEN"):
+        deploy.compose_model(env={})
+    for gpus in LAYOUTS:
+        services = deploy.compose_model(*_layout_files(deploy, gpus), env=deploy.USER_ENV)[
+            "services"]
+        parties = [n for n in services if n == "learner" or n.startswith("rollout")]
+        assert len(parties) >= 2, gpus
+        for name in parties:
+            env = {k: str(v) for k, v in services[name]["environment"].items()}
+            cfg = load_config(None, environ=env)
+            assert cfg.learner.weight_sync_token == deploy.USER_ENV["FORAGE_WEIGHT_SYNC_TOKEN"]
+    for kind, name in (("StatefulSet", "forage-learner"), ("Deployment", "forage-rollout")):
+        env = _container(deploy.by_kind(rendered, kind)[name])["env"]
+        token = next(e for e in env if e["name"] == "FORAGE_WEIGHT_SYNC_TOKEN")
+        assert token["valueFrom"]["secretKeyRef"] == {"name": "forage-weight-sync",
+                                                      "key": "token"}, name
 
 
 def test_dockerignore_keeps_the_context_small_but_complete():
@@ -350,7 +376,7 @@ def test_dockerfile_targets_and_pinned_bases(deploy):
     text = (REPO / "deploy/Dockerfile").read_text()
     bases = [line.split()[1] for line in text.splitlines() if line.startswith("FROM ")]
     assert bases and all(":" in base and not base.endswith(":latest") for base in bases)
-    images = {s.get("image") for s in deploy.compose_model(env={})["services"].values()}
+    images = {s.get("image") for s in deploy.compose_model(env=deploy.USER_ENV)["services"].values()}
     assert {"forage:cpu", "forage:gpu"} <= images
     assert deploy.image_entrypoint("cpu") == deploy.image_entrypoint("gpu") == ["forage"]
 
@@ -379,7 +405,7 @@ def test_services_select_pods_on_declared_ports(deploy, rendered):
             assert port["targetPort"] in port_names, f"{name}: targetPort {port['targetPort']}"
 
 
-def test_docker_compose_config_validates():
+def test_docker_compose_config_validates(deploy):
     docker = shutil.which("docker")
     if docker is None:
         pytest.skip("no docker client installed: the compose-spec schema test covers the file")
@@ -388,14 +414,15 @@ def test_docker_compose_config_validates():
         pytest.skip("docker client has no compose plugin here")
     for extra in ([], ["-f", "deploy/compose/gpus-8.yml"]):
         result = subprocess.run([docker, "compose", "-f", "docker-compose.yml", *extra, "config",
-                                 "--quiet"], capture_output=True, text=True, cwd=REPO)
+                                 "--quiet"], capture_output=True, text=True, cwd=REPO,
+                                env={**os.environ, **deploy.USER_ENV})
         assert result.returncode == 0, result.stderr
 
 
 def test_bind_mount_sources_exist(deploy):
     """Every bind mount names a file or folder of the repository (./data is the user's)."""
     for gpus in LAYOUTS:
-        model = deploy.compose_model(*_layout_files(deploy, gpus), env={})
+        model = deploy.compose_model(*_layout_files(deploy, gpus), env=deploy.USER_ENV)
         for name, service in model["services"].items():
             for volume in service.get("volumes", []):
                 source = str(volume).split(":")[0]

@@ -299,7 +299,7 @@ def finish_run(learner: Box, others: list[Box], checkpoints: Path) -> None:
 # ---------------------------------------------------------------- compose
 
 def _compose_boxes(deploy, data: Path, tmp: Path, redis_url: str, namespace: str):
-    model = deploy.compose_model(env={})
+    model = deploy.compose_model(env=deploy.USER_ENV)
     services = {n: s for n, s in model["services"].items() if n not in THIRD_PARTY}
     ports = {int(p) for s in services.values() for p in s.get("expose", [])}
     ports |= {int(str(p).rsplit(":", 1)[-1]) for s in services.values() for p in s.get("ports", [])}
@@ -378,12 +378,25 @@ def test_compose_rehearsal(deploy, data_volume, tmp_path, redis_url):
         for box in started:
             if box.proc.poll() is None:
                 assert_binds_every_interface(box, net)
+        assert_weight_server_wants_the_token(net)
         finish_run(boxes["learner"], [b for b in started if b.name not in
                                       ("learner", "retriever-index")],
                    boxes["learner"].mounts["/checkpoints"])
         assert (data / "index" / "manifest.json").exists()  # built by retriever-index
     finally:
         stop(started)
+
+
+def assert_weight_server_wants_the_token(net: Network) -> None:
+    """The deploy's token is in effect: a caller without it is refused (the replicas, which
+    have it, fetched their weights for the run to progress)."""
+    from services.common.weight_sync.client import WeightSyncClient, WeightSyncError
+
+    address = f"{net.address('learner')}:{net.port('learner', 50051)}"
+    with WeightSyncClient(address, tune_malloc=False, timeout_s=10) as client:
+        with pytest.raises(WeightSyncError) as refused:
+            client.get_version()
+    assert refused.value.reason == "auth", refused.value
 
 
 def _depends(service: dict) -> dict[str, str]:
@@ -452,6 +465,7 @@ def test_kubernetes_rehearsal(deploy, rendered, data_volume, tmp_path, redis_url
             port = net.ports[int(annotations["prometheus.io/port"])]
             assert "# HELP" in scrape(f"http://{SERVICE_ADDRESS}:{port}/metrics")
             assert_binds_every_interface(box, net)
+        assert_weight_server_wants_the_token(net)
         learner = next(b for b in started if b.name == "forage-learner")
         finish_run(learner, [b for b in started if b.name not in ("forage-learner",
                                                                   "forage-index")],
@@ -475,6 +489,18 @@ def _pod_volumes(workload: dict, configmaps: dict, data: Path, root: Path,
     for template in workload["spec"].get("volumeClaimTemplates", []):
         out[template["metadata"]["name"]] = ("dir", root / template["metadata"]["name"])
     return out
+
+
+# The Secret docs/deploy.md has the user create (`kubectl create secret generic ...`).
+USER_SECRETS = {("forage-weight-sync", "token"): "rehearsal-token-0123456789abcdef"}
+
+
+def _env_value(entry: dict) -> str:
+    """A container env entry's value: literal, or from a Secret the user created."""
+    if "value" in entry:
+        return entry["value"]
+    ref = entry["valueFrom"]["secretKeyRef"]
+    return USER_SECRETS[(ref["name"], ref["key"])]
 
 
 def _k8s_box(deploy, container: dict, volumes: dict, net: Network, tmp: Path, namespace: str,
@@ -503,5 +529,5 @@ def _k8s_box(deploy, container: dict, volumes: dict, net: Network, tmp: Path, na
             argv += ["--set", f"redis.namespace={namespace}"]
     argv = localize_args(argv, mounts, net)
     env = base_env(deploy.image_env(target), tmp / "home")
-    env.update({e["name"]: localize(e["value"], mounts, net) for e in container.get("env", [])})
+    env.update({e["name"]: localize(_env_value(e), mounts, net) for e in container.get("env", [])})
     return Box(name, argv, env, mounts, [p["containerPort"] for p in container.get("ports", [])])

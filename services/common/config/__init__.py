@@ -26,10 +26,10 @@ from services.common.config.errors import (
     validation_problems,
 )
 from services.common.config.layers import (
-    ENVIRONMENT_SOURCE,
     Layered,
     bare_override_pattern,
     command_line_source,
+    environment_source,
     parse_override,
 )
 from services.common.config.learner import LearnerSection
@@ -96,7 +96,8 @@ def load_config(
     """Load a run config: YAML file(s) merged in order (or defaults when `path` is None or
     empty), then the overrides, then validation.
 
-    `REDIS_URL` in the environment replaces `redis.url` unless an override set it explicitly.
+    `REDIS_URL` in the environment replaces `redis.url`, and `FORAGE_WEIGHT_SYNC_TOKEN`
+    `learner.weight_sync_token`, unless an override sets that key explicitly.
     """
     layered = _layers(path, overrides, os.environ if environ is None else environ)
     problems: list[str] = []
@@ -125,20 +126,32 @@ def load_config_layers(
             if not any(len(other) > len(key) and other[: len(key)] == key for other in keys)}
 
 
+# Environment variables that set a key unless the command line sets it: the Redis address
+# (every tool's convention), and the weight-sync token, a secret that belongs in the
+# environment (a compose .env file, a Kubernetes Secret) rather than in a config file or a
+# process's command line (visible in `ps`).
+ENVIRONMENT_KEYS: dict[str, list[str]] = {
+    "REDIS_URL": ["redis", "url"],
+    "FORAGE_WEIGHT_SYNC_TOKEN": ["learner", "weight_sync_token"],
+}
+
+
 def _layers(path: ConfigPaths, overrides: Iterable[str], environ: Mapping[str, str]) -> Layered:
     layered = Layered()
     for file_path in _as_paths(path):
         layered.merge(read_config_file(file_path), str(file_path))
     overrides = list(overrides)
     _apply(layered, overrides)
-    redis_url_overridden = any(parse_override(o)[0] == ["redis", "url"] for o in overrides)
-    if environ.get("REDIS_URL") and not redis_url_overridden:
-        redis = layered.raw.get("redis")
-        if redis is not None and not isinstance(redis, dict):
+    overridden = [parse_override(o)[0] for o in overrides]
+    for variable, key in ENVIRONMENT_KEYS.items():
+        if not environ.get(variable) or key in overridden:
+            continue
+        section = layered.raw.get(key[0])
+        if section is not None and not isinstance(section, dict):
             raise ConfigError(describe_problems([
-                f"redis: must be a mapping (got {redis!r}); "
-                f"{source_label(layered.source_of(['redis']))}"]))
-        layered.set(["redis", "url"], environ["REDIS_URL"], ENVIRONMENT_SOURCE, "REDIS_URL")
+                f"{key[0]}: must be a mapping (got {section!r}); "
+                f"{source_label(layered.source_of([key[0]]))}"]))
+        layered.set(list(key), environ[variable], environment_source(variable), variable)
     return layered
 
 

@@ -41,7 +41,8 @@ def command_line_source(text: str) -> str:
     return f"the command line ({text})"
 
 
-ENVIRONMENT_SOURCE = "the environment (REDIS_URL)"
+def environment_source(variable: str) -> str:
+    return f"the environment ({variable})"
 
 
 @dataclass
