@@ -15,7 +15,8 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 
 from services.common.cli_args import take_bare_overrides
-from services.common.config import ConfigError, RunConfig, register_subsection
+from services.common.cli_errors import report_failure
+from services.common.config import RunConfig, register_subsection
 
 # `learner.algorithm` is a free-form map typed by the learner's algorithms package; checking it
 # whenever any command loads a config makes a typo there fail at `forage up`, not minutes later
@@ -152,9 +153,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         result = handler(namespace)
-    except ConfigError as exc:  # bad config or input path found at start: one line, exit 2
-        print(f"forage {group}: error: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print(f"forage {group}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # one line for an expected failure, a traceback for a bug
+        return report_failure(group, exc)
     return int(result or 0)
 
 

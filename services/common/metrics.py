@@ -56,7 +56,11 @@ class MetricsServer:
             def log_message(self, format: str, *args: object) -> None:  # quiet
                 return
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        try:
+            self._server = ThreadingHTTPServer((host, port), Handler)
+        except OSError as exc:  # name the address: the bare error does not (port in use)
+            raise OSError(exc.errno, f"cannot listen on {host}:{port} for /metrics: "
+                                     f"{exc.strerror}") from None
         self._server.daemon_threads = True
         self.host = host
         self.port = self._server.server_address[1]

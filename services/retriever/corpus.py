@@ -81,6 +81,8 @@ def iter_corpus(path: str | Path, skip: int = 0) -> Iterator[dict[str, Any]]:
             parsed = json.loads(line)
         except ValueError as exc:
             raise CorpusError(f"{where}: not valid JSON ({exc})") from None
+        except RecursionError:  # json's decoder recurses per level: 100k '[' ran out of stack
+            raise CorpusError(f"{where}: nested too deeply to be a passage") from None
         yield normalize_row(parsed, where)
 
 

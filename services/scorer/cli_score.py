@@ -46,8 +46,28 @@ def parse_ground_truth(text: str) -> Any:
             raise ValueError(f"--ground-truth {_clip(text)} starts with {stripped[0]!r} but is "
                              f"not valid JSON ({exc.msg} at column {exc.colno})") from None
         return text
+    except RecursionError:
+        raise ValueError(f"--ground-truth {_clip(text)} is nested too deeply") from None
     if value is None:
         raise ValueError("--ground-truth null: a ground truth cannot be null")
+    return value
+
+
+def parse_extra_info(text: str | None) -> dict[str, Any] | None:
+    """`--extra-info` as the map verl passes reward functions: a JSON object, or None."""
+    if text is None or not text.strip():
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--extra-info {_clip(text)} is not valid JSON ({exc.msg} at column "
+                         f"{exc.colno}); give a JSON object, e.g. '{{\"split\": \"test\"}}'"
+                         ) from None
+    except RecursionError:
+        raise ValueError(f"--extra-info {_clip(text)} is nested too deeply") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--extra-info must be a JSON object (a map), got "
+                         f"{type(value).__name__} {_clip(text)}")
     return value
 
 
@@ -63,11 +83,11 @@ def _score(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     try:
         ground_truth = parse_ground_truth(args.ground_truth)
+        extra = parse_extra_info(args.extra_info)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     solution = sys.stdin.read() if args.solution == "-" else args.solution
-    extra = json.loads(args.extra_info) if args.extra_info else None
     try:
         table = RewardTable(config.scorer.rewards)
     except ValueError as exc:

@@ -14,7 +14,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import Field, ValidationError
 
 from services.common.config.base import ConfigError, Section
@@ -44,6 +43,7 @@ from services.common.config.subsections import (
     subsection_models,
     subsection_problems,
 )
+from services.common.config.yaml_input import read_yaml_file
 
 __all__ = [
     "ConfigError",
@@ -159,12 +159,11 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """One config file's top-level mapping (an empty file is an empty mapping)."""
     source = str(path)
     file_path = Path(path)
-    if not file_path.is_file():
+    if not file_path.exists():
         raise ConfigError(f"config file {source} does not exist")
-    try:
-        loaded = yaml.safe_load(file_path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
+    if not file_path.is_file():
+        raise ConfigError(f"config file {source} is not a file")
+    loaded = read_yaml_file(file_path, source)  # one ConfigError for any unreadable file
     if loaded is None:
         loaded = {}
     if not isinstance(loaded, dict):

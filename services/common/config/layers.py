@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from services.common.config.base import ConfigError
+from services.common.config.yaml_input import check_shape, shown
 
 Key = tuple[str, ...]
 
@@ -110,6 +111,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     except yaml.YAMLError as exc:
         problem = str(exc).replace("\n", " ")
         raise ConfigError(f"override {text!r}: value is not valid YAML ({problem})") from None
+    except RecursionError:
+        raise ConfigError(f"override {shown(text)}: value nested too deeply") from None
+    check_shape(value, f"override {shown(text)}")
     return keys, value
 
 
