@@ -193,6 +193,13 @@ def workdir(tmp_path_factory: pytest.TempPathFactory):
     server.stop()
 
 
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
 def _leftovers(sid: int, grace_s: float = 15.0) -> list[str]:
     """Processes still in the script's session (a server being stopped gets `grace_s`)."""
     deadline = time.monotonic() + grace_s
@@ -214,6 +221,9 @@ def test_docs_run(doc: Path, workdir: tuple[Path, str]) -> None:
         pytest.skip(f"{doc.name} has no runnable block")
     import redis
 
+    for port in sorted({int(p) for b in runnable for p in re.findall(r"localhost:(\d+)", b.body)}):
+        assert _port_free(port), (f"port {port} is in use: {doc.name}'s commands serve on it "
+                                  "and would talk to whatever listens there")
     redis.Redis.from_url(redis_url).flushall()
     scratch = root / ".docs-blocks"
     scratch.mkdir(exist_ok=True)
@@ -263,4 +273,17 @@ def _tasks_figures(text: str, root: Path) -> None:
     assert not missing, f"docs/tasks.md quotes stale figures; it should say: {missing}"
 
 
-FIGURE_CHECKS = {"tasks.md": _tasks_figures}
+def _configs_read_what_readme_builds(text: str, root: Path) -> None:
+    """`forage up --config configs/example.yaml` is the natural next step after "Try it" (the
+    README says so): every input path of the shipped example and tiny configs must be there."""
+    from services.common.config import load_config
+
+    for name in ("example.yaml", "tiny.yaml"):
+        cfg = load_config(root / "configs" / name, environ={})
+        paths = [cfg.model.path, cfg.retriever.index_dir, *cfg.data.train_files,
+                 *cfg.data.test_files]
+        missing = [p for p in paths if p and not (root / p).exists()]
+        assert not missing, f"configs/{name} reads {missing}, which README's Try it did not build"
+
+
+FIGURE_CHECKS = {"tasks.md": _tasks_figures, "README.md": _configs_read_what_readme_builds}
