@@ -151,6 +151,8 @@ def parse_request(body: bytes, settings: RetrieverSection) -> tuple[list[str], i
             f"{settings.max_request_chars} per request (send fewer queries per request)"
         )
     topk = data.get("topk")
+    if isinstance(topk, float) and topk.is_integer():
+        topk = int(topk)  # JSON Schema's (and pydantic's, Search-R1's server) integer: 3.0 is 3
     if topk is None or (isinstance(topk, int) and not isinstance(topk, bool) and topk == 0):
         topk = settings.topk
     elif isinstance(topk, bool) or not isinstance(topk, int):

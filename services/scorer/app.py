@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi import FastAPI, HTTPException
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from services.common.config.scorer import ScorerSection
 from services.common.http_limits import BodyLimit
@@ -28,6 +28,10 @@ from services.scorer.scoring import Scorer
 
 
 class ScoreBody(BaseModel):
+    # An unknown field is an error naming it: a misspelt `groundtruth` would otherwise be
+    # dropped and the reward would complain about a missing ground truth instead.
+    model_config = ConfigDict(extra="forbid")
+
     data_source: str = Field(description="names the reward functions (404 for an unknown one)")
     solution_str: str = Field(description="the decoded response")
     ground_truth: Any = Field(default=None, description="in the shape the reward expects")

@@ -97,3 +97,17 @@ def test_the_schema_states_the_limits(bounded_server):
 def test_the_request_limit_must_hold_one_query():
     with pytest.raises(ConfigError, match="max_request_chars .* at least max_query_chars"):
         load_config(None, ["retriever.max_query_chars=2048", "retriever.max_request_chars=100"])
+
+
+def test_an_integral_float_topk_is_an_integer(bounded_server):
+    """JSON Schema's `integer` (and pydantic's, so Search-R1's server) takes 2.0; the fuzz
+    suite found /retrieve refusing it although its schema allowed it."""
+    reply = httpx.post(f"{bounded_server}/retrieve", json={"queries": ["oak"], "topk": 2.0},
+                       timeout=30)
+    assert reply.status_code == 200 and len(reply.json()["result"][0]) == 2
+    for bad in ("2.5", "Infinity", "1e400"):  # Python's json reads Infinity; 1e400 is inf
+        reply = httpx.post(f"{bounded_server}/retrieve", timeout=30,
+                           content=f'{{"queries": ["oak"], "topk": {bad}}}',
+                           headers={"content-type": "application/json"})
+        assert reply.status_code == 422 and reply.json()["detail"] == (
+            "topk: must be an integer or null")

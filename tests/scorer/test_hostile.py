@@ -176,6 +176,7 @@ def test_an_oversized_body_is_413(server):
           "ground_truth": {"wrong": 1}}, 422, "target"),
         ({"data_source": "nowhere", "solution_str": "x"}, 404, "known:"),
         ({"data_source": "nq"}, 422, "solution_str"),
+        ({"data_source": "nq", "solution_str": "x", "groundtruth": "Paris"}, 422, "groundtruth"),
     ],
 )
 def test_bad_items_are_4xx_naming_the_problem(server, body, status, words):
