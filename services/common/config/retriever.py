@@ -33,7 +33,7 @@ class RetrieverSection(Section):
     max_query_chars: int = Field(default=2048, ge=1)
     # Characters of all queries of one request together: bounds its encoder work (the cost
     # grows with the text: 512 queries of 2046 characters took 64 s on CPU, issue 14). 262144
-    # holds Search-R1's 2560-query GRPO turn at 100 characters a query (~13 s on one CPU
+    # holds Search-R1's 2560-query GRPO turn at 100 characters a query (11 s on one CPU
     # thread); a larger request is refused with 413 and Forage's rollout client splits it.
     # At least max_query_chars, so every legal query can be sent alone.
     max_request_chars: int = Field(default=262144, ge=1)

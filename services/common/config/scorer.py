@@ -24,8 +24,9 @@ class RewardSpec(Section):
 class ScorerSection(Section):
     # Reward worker processes (math_verify and other isolated rewards).
     num_workers: int = Field(default=2, ge=1)
-    # Outer wall-clock limit per isolated reward call: past it the worker is killed and
-    # replaced and the call scores 0 (counted in forage_scorer_timeouts_total).
+    # Outer wall-clock limit per reward call in the pool (isolated rewards, and every reward
+    # POST /score runs): past it the worker is killed and replaced and the call scores 0
+    # (counted in forage_scorer_timeouts_total).
     math_timeout_s: float = Field(default=5.0, gt=0)
     # data_source -> reward functions with weights; empty means the built-in table.
     rewards: dict[str, list[RewardSpec]] = Field(default_factory=dict)
