@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from services.common.cli_args import take_bare_overrides
 from services.common.cli_errors import report_failure
 from services.common.config import RunConfig, register_subsection
+from services.common.threads import ThreadSettingError, apply_thread_policy
 
 # `learner.algorithm` is a free-form map typed by the learner's algorithms package; checking it
 # whenever any command loads a config makes a typo there fail at `forage up`, not minutes later
@@ -134,6 +135,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if group not in COMMAND_GROUPS:
         hint = did_you_mean(group, COMMAND_GROUPS)
         print(f"forage: unknown command {group!r}{hint}\n\n{_top_level_help()}", file=sys.stderr)
+        return 2
+    try:  # before any group imports torch or faiss: libgomp reads its variables at load
+        apply_thread_policy()
+    except ThreadSettingError as exc:
+        print(f"forage {group}: error: {exc}", file=sys.stderr)
         return 2
     try:
         parser = build_parser(group)

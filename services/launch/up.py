@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from services.common.config import RunConfig
+from services.common.threads import child_environ
 from services.launch.supervisor import ServiceFailed, ServiceSpec, Supervisor, forage_argv
 
 log = logging.getLogger("forage.launch")
@@ -57,6 +58,11 @@ def resolve_config(cfg: RunConfig, redis_url: str, rollouts: int) -> tuple[RunCo
             scorer[key] = free_port()
     ports = [free_port() for _ in range(rollouts)]
     return RunConfig.model_validate(raw), ports
+
+
+def children_share(rollouts: int) -> int:
+    """How many CPU-heavy processes share the cores: retriever, learner, scorer, replicas."""
+    return 3 + rollouts
 
 
 def write_config(cfg: RunConfig, path: Path) -> Path:
@@ -118,10 +124,11 @@ def run_up(
         log.info("started an embedded Redis at %s for this run", redis_server.url)
     resolved, ports = resolve_config(cfg, redis_server.url, rollouts)
     config_path = write_config(resolved, run_dir / "config.yaml")
-    env = dict(os.environ, REDIS_URL=redis_server.url)
     # Several CPU-bound services share the cores: one OpenMP pool each of the default size
-    # oversubscribes them badly (measured ~5x slower steps on 2 cores), so split the cores.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (3 + rollouts))))
+    # oversubscribes them badly (measured ~5x slower steps on 2 cores), so each child gets
+    # cores / (3 + rollouts) threads unless the user set a count (services/common/threads.py).
+    env = child_environ(os.environ, share=children_share(rollouts))
+    env["REDIS_URL"] = redis_server.url
     supervisor = Supervisor(run_dir, env=env)
     previous = signal.signal(signal.SIGTERM, _raise_stop)
     code = 1

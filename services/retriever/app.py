@@ -30,6 +30,7 @@ from pydantic import BaseModel, Field, StringConstraints, create_model
 
 from services.common.config.retriever import RetrieverSection
 from services.common.http_limits import BodyLimit
+from services.common.threads import thread_report
 from services.retriever.batcher import MicroBatcher
 
 log = logging.getLogger("forage.retriever.server")
@@ -206,7 +207,8 @@ def create_app(index_dir: str | Path, settings: RetrieverSection, device: str | 
             INDEX_DOCS.set(len(searcher))
             LOADED.set(1)
             state.ready.set()
-            log.info("index %s loaded (%d passages); serving", index_dir, len(searcher))
+            log.info("index %s loaded (%d passages); serving; threads %s", index_dir,
+                     len(searcher), thread_report())
         except Exception as exc:  # noqa: BLE001 (reported, then the server stops)
             state.error = f"{type(exc).__name__}: {exc}"
             log.error("cannot load index %s: %s", index_dir, state.error)
@@ -280,7 +282,7 @@ def create_app(index_dir: str | Path, settings: RetrieverSection, device: str | 
     async def healthz():
         if state.ready.is_set():
             return {"status": "ok", "docs": len(state.searcher),
-                    "index_type": state.searcher.index_type}
+                    "index_type": state.searcher.index_type, "threads": thread_report()}
         detail = state.error or "loading"
         return JSONResponse({"status": detail}, status_code=503)
 
