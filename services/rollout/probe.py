@@ -8,8 +8,11 @@ trajectory stops before the policy's first `<answer>`.
 
 The fraction k/N counts only the policy's own tokens (loss mask 1): retrieved `<information>`
 text and corrective messages are not reasoning. With L policy tokens in the span, the prefix
-for k is the shortest response prefix that holds the first m = round(k/N·L) of them, so it keeps
-the observations the policy had already read at that point but never one it had not yet read.
+for k holds the first m = round(k/N·L) of them and the observations that follow them up to the
+next policy token: an observation is the environment's reply to the action just before it, in
+the policy's context before it emits its next token. So 100% is the whole response before the
+first `<answer>`, retrieved passages included, and no prefix holds an observation whose action
+it lacks.
 For single-turn tasks (every response token is a policy token) this is TinyZero-PRM's
 `response[: start + round(L·k/N)]`. The probe prompt is prompt + prefix + the task's suffix,
 sampled `mc_samples` times at temperature 1; the scorer grades each sample. Cuts are on token
@@ -84,10 +87,16 @@ class ReasoningSpan:
         return len(self.policy_positions)
 
     def cuts(self, num_truncations: int) -> list[int]:
-        """Response prefix lengths for k = 0..N: the first m_k policy tokens of the span."""
+        """Response prefix lengths for k = 0..N: the first m_k policy tokens of the span and the
+        observations after them, up to the next policy token (the span's end after the last)."""
         out = []
         for m in cut_points(self.length, num_truncations):
-            out.append(self.start if m == 0 else self.policy_positions[m - 1] + 1)
+            if m == 0:
+                out.append(self.start)
+            elif m < self.length:
+                out.append(self.policy_positions[m])
+            else:
+                out.append(self.end)
         return out
 
 

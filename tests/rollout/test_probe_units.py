@@ -138,20 +138,39 @@ def test_search_span_counts_policy_tokens_and_ends_at_the_policys_first_answer(t
     assert "<information>" not in decoded(tok, [ids[i] for i in span.policy_positions])
 
 
-def test_search_prefixes_keep_only_observations_already_read(tok):
+def test_search_prefixes_take_an_action_with_its_observation(tok):
     ids, mask, n1, n_obs = search_trajectory(tok)
     span = reasoning_span(tok, ids, mask, probe_rule("nq"))
-    # Choose N so that one cut falls exactly at the end of the first turn: it stops there, before
-    # the observation that follows; the next cut includes the observation it had read.
+    # Choose N so that every policy token is a cut: the cut that ends the first turn's action
+    # takes the observation answering it; one before it holds no observation.
     n = span.length
     cuts = span.cuts(n)
-    assert cuts[n1] == n1 and cuts[n1 + 1] == n1 + n_obs + 1
+    assert cuts[n1 - 1] == n1 - 1
+    assert cuts[n1] == n1 + n_obs and cuts[n1 + 1] == n1 + n_obs + 1
     prompts = probe_prompts([7, 8], ids, cuts, [99])
-    assert "<information>" not in decoded(tok, prompts[n1][2:-1])
-    assert "<information>" in decoded(tok, prompts[n1 + 1][2:-1])
+    assert "<information>" not in decoded(tok, prompts[n1 - 1][2:-1])
+    assert decoded(tok, prompts[n1][2:-1]).rstrip().endswith("</information>")
     assert prompts[0] == [7, 8, 99] and prompts[-1] == [7, 8] + ids[: span.end] + [99]
-    for cut in cuts[1:]:
-        assert mask[cut - 1] == 1  # every prefix ends on one of the policy's own tokens
+    for cut in cuts[1:-1]:
+        assert mask[cut] == 1  # every inner prefix stops right before a policy token
+
+
+def test_search_full_prefix_holds_the_last_passage_when_the_answer_follows_it(tok):
+    """A policy that answers straight after the passages (the demo's) is probed at 100% with
+    them: before, the cut ended on `</search>` and the passage that carries the answer was cut
+    off."""
+    turn1 = encode(tok, "<search> Brixol </search>")
+    docs = [{"document": {"id": "0", "contents": '"Brixol"\nBrixol was born in Corvale.'}}]
+    obs = encode(tok, information_block(docs))
+    turn2 = encode(tok, "<answer> Corvale </answer>")
+    ids = turn1 + obs + turn2
+    mask = [1] * len(turn1) + [0] * len(obs) + [1] * len(turn2)
+    span = reasoning_span(tok, ids, mask, probe_rule("nq"))
+    assert span.boundary == "<answer>" and span.length == len(turn1)
+    cuts = span.cuts(4)
+    assert cuts[-1] == span.end == len(turn1) + len(obs)
+    assert "Corvale" in decoded(tok, ids[: cuts[-1]])
+    assert all("<information>" not in decoded(tok, ids[:c]) for c in cuts[:-1])
 
 
 def test_search_rule_on_a_single_turn_equals_a_plain_token_count(tok):
