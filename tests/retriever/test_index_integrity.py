@@ -120,7 +120,9 @@ def test_failed_and_finished_builds_leave_no_partial_or_lock(tmp_path, tools):
 def test_an_interrupted_build_keeps_its_stage_and_drops_its_lock(tmp_path, tools):
     """Ctrl-C after some rows are encoded: the stage stays for the rerun, the lock goes."""
     corpus = tmp_path / "big.jsonl"
-    tools.make_corpus(corpus, rows=320, seed=5)
+    # Large enough that the build cannot finish between its first checkpoint (128 rows) and the
+    # signal on a quiet machine (with 320 rows it sometimes did, and left no stage to check).
+    tools.make_corpus(corpus, rows=4000, seed=5)
     stage = tmp_path / ".idx.partial"
     process = subprocess.Popen(
         [tools.forage, "retriever", "build-index", "--corpus", str(corpus), "--out",
@@ -134,6 +136,7 @@ def test_an_interrupted_build_keeps_its_stage_and_drops_its_lock(tmp_path, tools
             if progress.exists() and json.loads(progress.read_text())["rows"] >= 64:
                 break
             time.sleep(0.05)
+        assert process.poll() is None, "the build ended before it could be interrupted"
         process.send_signal(signal.SIGINT)
         process.wait(timeout=60)
     finally:
@@ -141,7 +144,7 @@ def test_an_interrupted_build_keeps_its_stage_and_drops_its_lock(tmp_path, tools
             process.kill()
             process.wait()
     done = json.loads((stage / "progress.json").read_text())["rows"]
-    assert 0 < done < 320, "the build finished before it could be interrupted"
+    assert 0 < done < 4000, "the build finished before it could be interrupted"
     assert process.returncode != 0
     assert not (tmp_path / ".idx.lock").exists()
     assert not (tmp_path / "idx").exists()
