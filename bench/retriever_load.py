@@ -32,6 +32,7 @@ import http.client
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -245,6 +246,11 @@ def main() -> int:
     parser.add_argument("--peer-python", default=PYTHON,
                         help="interpreter for the peer (needs `datasets`)")
     parser.add_argument("--peer-env", action="append", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--server-args", default="",
+                        help="extra arguments for `forage retriever serve` (e.g. "
+                        "'--set log_level=DEBUG --workers 1')")
+    parser.add_argument("--logs", default=None,
+                        help="keep the servers' logs in this folder (default: removed)")
     args = parser.parse_args()
     loads = [load for load in args.loads.split(",") if load]
     if not set(loads) <= {"quiet", "busy"}:
@@ -261,7 +267,7 @@ def main() -> int:
         port = free_port()
         servers.append(Server(
             "forage", [PYTHON, "-m", "services.cli", "retriever", "serve", "--index",
-                       str(index), "--port", str(port)],
+                       str(index), "--port", str(port), *shlex.split(args.server_args)],
             clean_env(parse_env(args.server_env)), port, scratch / "forage.log"))
         if args.peer:
             peer_file = patch_peer(Path(args.peer), scratch)
@@ -305,6 +311,10 @@ def main() -> int:
     finally:
         for server in servers:
             server.stop()
+        if args.logs:
+            Path(args.logs).mkdir(parents=True, exist_ok=True)
+            for log in scratch.glob("*.log"):
+                shutil.copy(log, Path(args.logs) / log.name)
         shutil.rmtree(scratch, ignore_errors=True)
 
     median = {key: statistics.median(values) for key, values in results.items()}

@@ -198,6 +198,41 @@ def apply_thread_policy(environ: MutableMapping[str, str] | None = None,
     return plan
 
 
+# A server's independent batches (the retriever's micro-batches) run on several workers of a
+# few threads each rather than one worker with every thread: a one-thread worker never waits at
+# an OpenMP barrier for a descheduled partner. Past 8 workers the Python glue of each batch
+# (tokenising, documents, JSON) under the GIL would start to serialise them, so a big node
+# gets 8 workers with several threads each. A GPU runs one batch at a time: one worker.
+MAX_AUTO_WORKERS = 8
+
+
+def split_workers(threads: int, workers: int = 0, device: str = "cpu") -> tuple[int, int]:
+    """(workers, threads per worker) for `threads` threads; `workers` 0 means choose."""
+    if workers <= 0:
+        workers = 1 if device.startswith("cuda") else min(max(1, threads), MAX_AUTO_WORKERS)
+    return workers, max(1, threads // workers)
+
+
+def process_threads() -> int:
+    """This process's thread count under the policy (what apply_thread_policy chose)."""
+    return plan_threads(os.environ, usable_cores()).threads
+
+
+def set_worker_threads(threads: int) -> dict[str, int]:
+    """Run on a worker thread: its OpenMP thread count (libgomp keeps one per thread, so
+    `faiss.omp_set_num_threads` on the main thread does not reach a worker) in torch and faiss
+    where loaded; returns what they report back on this thread."""
+    set_library_threads(threads)
+    report: dict[str, int] = {}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        report["torch"] = torch.get_num_threads()
+    faiss = sys.modules.get("faiss")
+    if faiss is not None:
+        report["faiss"] = faiss.omp_get_max_threads()
+    return report
+
+
 def thread_report() -> dict[str, object]:
     """What this process runs with now (for /healthz and logs): torch's and faiss's thread
     counts where loaded, and the wait policy libgomp read."""

@@ -30,7 +30,12 @@ from pydantic import BaseModel, Field, StringConstraints, create_model
 
 from services.common.config.retriever import RetrieverSection
 from services.common.http_limits import BodyLimit
-from services.common.threads import thread_report
+from services.common.threads import (
+    process_threads,
+    set_worker_threads,
+    split_workers,
+    thread_report,
+)
 from services.retriever.batcher import MicroBatcher
 
 log = logging.getLogger("forage.retriever.server")
@@ -51,6 +56,8 @@ BATCH_SECONDS = Histogram(
 )
 LOADED = Gauge("forage_retriever_index_loaded", "1 once the index is loaded and serving")
 INDEX_DOCS = Gauge("forage_retriever_index_docs", "passages in the loaded index")
+WORKER_LIMIT = Gauge("forage_retriever_worker_limit",
+                     "micro-batches allowed to run at once now (lowered under CPU contention)")
 
 
 class RetrieveRequest(BaseModel):
@@ -204,11 +211,13 @@ def create_app(index_dir: str | Path, settings: RetrieverSection, device: str | 
 
                 searcher = Searcher.load(index_dir, device=device)
             state.searcher = searcher
+            if state.batcher is not None:
+                state.batcher.warm_up(lambda: searcher.search_many(["warm up"], [1]))
             INDEX_DOCS.set(len(searcher))
             LOADED.set(1)
             state.ready.set()
             log.info("index %s loaded (%d passages); serving; threads %s", index_dir,
-                     len(searcher), thread_report())
+                     len(searcher), threads_in_use())
         except Exception as exc:  # noqa: BLE001 (reported, then the server stops)
             state.error = f"{type(exc).__name__}: {exc}"
             log.error("cannot load index %s: %s", index_dir, state.error)
@@ -222,11 +231,25 @@ def create_app(index_dir: str | Path, settings: RetrieverSection, device: str | 
     def run_batch(queries: list[str], topks: list[int]):
         return state.searcher.search_many(queries, topks)
 
+    workers, per_worker = split_workers(process_threads(), settings.workers, device)
+
+    def threads_in_use() -> dict[str, Any]:
+        """The policy's settings and what torch/faiss report on a worker thread."""
+        report: dict[str, Any] = {**thread_report(), "workers": workers,
+                                  "per_worker": per_worker}
+        if state.batcher is not None and state.batcher.worker_info:
+            report.update(next(iter(state.batcher.worker_info.values())))
+        return report
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         LOADED.set(0)
         state.batcher = MicroBatcher(run_batch, max_batch=settings.max_batch,
-                                     max_wait_s=settings.max_wait_ms / 1000.0, on_batch=on_batch)
+                                     max_wait_s=settings.max_wait_ms / 1000.0, on_batch=on_batch,
+                                     workers=workers,
+                                     init_worker=lambda: set_worker_threads(per_worker))
+        batcher = state.batcher
+        WORKER_LIMIT.set_function(lambda: batcher.limit)
         state.batcher.start()
         threading.Thread(target=load, name="index-loader", daemon=True).start()
         yield
@@ -282,7 +305,7 @@ def create_app(index_dir: str | Path, settings: RetrieverSection, device: str | 
     async def healthz():
         if state.ready.is_set():
             return {"status": "ok", "docs": len(state.searcher),
-                    "index_type": state.searcher.index_type, "threads": thread_report()}
+                    "index_type": state.searcher.index_type, "threads": threads_in_use()}
         detail = state.error or "loading"
         return JSONResponse({"status": detail}, status_code=503)
 

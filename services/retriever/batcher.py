@@ -12,18 +12,79 @@ answered in chunks of `max_batch` queries, queued one after the other: the next 
 queue only when the previous one is done, so requests that arrived meanwhile run between two
 chunks instead of waiting for the whole large request, and the encoder never holds more than
 one batch.
+
+With `workers` > 1 (services/common/threads.py's split: on a 2-core machine two workers of one
+thread each), that many batches run at once, each on its own thread with its own small torch /
+faiss thread team. One-thread workers never wait on each other at an OpenMP barrier, so a
+competing process on the machine slows them by the share of the cores it takes, not by a
+scheduler slice per parallel region (bench/README.md: one busy process took a 2-thread team
+from 218 to 6 queries/s; two 1-thread workers did not slow down at all). A large request keeps
+at most `workers` of its chunks in flight, so it still uses every worker while others' requests
+queue behind at most that many chunks.
+
+Workers only help while each gets a core. When another process takes one of two cores, two
+one-thread workers end up time-sharing the other: each runs half as fast on half-size batches,
+and the encoder's fixed cost per forward (streaming its weights) is paid twice as often. So the
+number of batches allowed to run at once adapts (`next_limit`): when batches that overlapped
+another got less than CONTENDED_CPU_SHARE of a core while they wanted one (the scheduler's run
+time / (run time + run-queue wait) of the worker thread), the limit drops by one; PROBE_AFTER_S
+after the last change it is raised by one again, so a freed core is used within seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+log = logging.getLogger("forage.retriever.batcher")
+
 BatchFn = Callable[[list[str], list[int]], list[Any]]
+
+# Batches that ran alongside another and got less than this share of a core while they wanted
+# one were time-sharing cores with something: quiet, a one-thread worker gets 0.8-1.0 (the event
+# loop and the clients take the rest); beside one busy process on 2 cores, two workers and it
+# rotate over the cores and get 0.4-0.67 each, and one worker alone then serves as much (it has
+# a core to itself; measured in bench/README.md). The mean of the last SHARE_WINDOW such
+# batches since the limit last changed decides, so one slow batch does not.
+CONTENDED_CPU_SHARE = 0.75
+SHARE_WINDOW = 3
+PROBE_AFTER_S = 3.0
+
+
+def _cpu_and_wait() -> tuple[float, float]:
+    """(CPU time, time spent runnable but waiting for a CPU) of the calling thread, seconds.
+
+    The wait comes from the scheduler's per-thread statistics (/proc/thread-self/schedstat:
+    run time, run-queue delay, in ns), so waiting for the GIL or for I/O does not count as
+    contention; (thread CPU time, -1) where they are missing (not Linux, no sched_info)."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as handle:
+            run_ns, wait_ns, _ = handle.read().split()
+        return int(run_ns) / 1e9, int(wait_ns) / 1e9
+    except (OSError, ValueError):
+        return time.thread_time(), -1.0
+
+
+def next_limit(limit: int, workers: int, shares: Sequence[float], since_change_s: float) -> int:
+    """Micro-batches allowed to run at once, after a batch finished.
+
+    `shares`: the core shares (CPU time / (CPU time + run-queue wait)) of the batches that
+    overlapped another since the limit last changed, oldest first. Lowered by one when the mean
+    of the last SHARE_WINDOW (at least 2 of them) is under CONTENDED_CPU_SHARE; raised by one
+    PROBE_AFTER_S after the last change, to find out whether a core came free."""
+    recent = list(shares)[-SHARE_WINDOW:]
+    if limit > 1 and len(recent) >= 2 and sum(recent) / len(recent) < CONTENDED_CPU_SHARE:
+        return limit - 1
+    if limit < workers and since_change_s >= PROBE_AFTER_S:
+        return limit + 1
+    return limit
 
 
 @dataclass
@@ -35,48 +96,101 @@ class _Item:
 
 class MicroBatcher:
     def __init__(self, fn: BatchFn, max_batch: int = 64, max_wait_s: float = 0.005,
-                 on_batch: Callable[[int, float], None] | None = None) -> None:
+                 on_batch: Callable[[int, float], None] | None = None, workers: int = 1,
+                 init_worker: Callable[[], dict[str, Any]] | None = None) -> None:
+        """`init_worker` runs once on each worker thread before its first batch (per-thread
+        settings such as OpenMP thread counts); what it returns is kept in `worker_info`."""
+        if workers < 1:
+            raise ValueError("workers must be at least 1")
         self._fn = fn
         self._max_batch = max_batch
         self._max_wait_s = max_wait_s
         self._on_batch = on_batch
+        self._workers = workers
+        self._init_worker = init_worker
+        self.worker_info: dict[str, Any] = {}
         self._queue: asyncio.Queue[_Item] | None = None
-        self._held: _Item | None = None
-        self._task: asyncio.Task | None = None
-        # One thread: the encoder and FAISS parallelise inside a call; two concurrent calls
-        # would only fight for the same cores.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retrieve")
+        self._held: deque[_Item] = deque()  # items that did not fit a batch: taken first
+        self._tasks: list[asyncio.Task] = []
+        self._slots: asyncio.Condition | None = None
+        self._active = 0  # workers holding a slot (running a batch or waiting for items)
+        self._running: set[object] = set()  # batches on the executor now
+        self._overlapped: set[object] = set()  # ... of which some ran beside another
+        self.limit = workers  # batches allowed to run at once (next_limit)
+        self._shares: deque[float] = deque(maxlen=SHARE_WINDOW)
+        self._limit_changed = time.monotonic()
+        # One thread per worker: each batch runs whole on one thread (the encoder and FAISS
+        # parallelise inside a call with their per-worker thread count).
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="retrieve",
+                                            initializer=self._on_thread_start)
+
+    def _on_thread_start(self) -> None:
+        if self._init_worker is not None:
+            self.worker_info[threading.current_thread().name] = self._init_worker()
+
+    @property
+    def workers(self) -> int:
+        return self._workers
+
+    def warm_up(self, fn: Callable[[], Any], timeout_s: float = 60.0) -> None:
+        """Run `fn` once on each of the `workers` threads (called from a non-event-loop thread
+        before serving): every worker thread exists and has run `init_worker`, and the first
+        real batch does not pay the encoder's first-call costs."""
+        barrier = threading.Barrier(self._workers)
+
+        def task() -> None:
+            try:  # holds each thread until all exist, so the pool starts `workers` of them
+                barrier.wait(timeout_s)
+            except threading.BrokenBarrierError:
+                pass
+            fn()
+
+        for future in [self._executor.submit(task) for _ in range(self._workers)]:
+            future.result(timeout=timeout_s * 2)
 
     def start(self) -> None:
         self._queue = asyncio.Queue()
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._slots = asyncio.Condition()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._run()) for _ in range(self._workers)]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             try:
-                await self._task
+                await task
             except asyncio.CancelledError:
                 pass
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def submit(self, queries: list[str], topk: int) -> list[Any]:
         """Results for `queries` (one entry each), computed in shared batches of at most
-        `max_batch` queries; a larger request is split into consecutive chunks."""
+        `max_batch` queries; a larger request is split into chunks, at most `workers` of them
+        queued or running at a time."""
         if self._queue is None:
             raise RuntimeError("batcher not started")
+        loop = asyncio.get_running_loop()
         results: list[Any] = []
-        for start in range(0, len(queries), self._max_batch):
-            chunk = list(queries[start : start + self._max_batch])
-            future = asyncio.get_running_loop().create_future()
-            await self._queue.put(_Item(chunk, topk, future))
-            results.extend(await future)
+        pending: deque[asyncio.Future] = deque()
+        try:
+            for start in range(0, len(queries), self._max_batch):
+                if len(pending) >= self._workers:
+                    results.extend(await pending.popleft())
+                chunk = list(queries[start : start + self._max_batch])
+                future = loop.create_future()
+                await self._queue.put(_Item(chunk, topk, future))
+                pending.append(future)
+            while pending:
+                results.extend(await pending.popleft())
+        finally:  # cancelled (client gone) or failed: the chunks still queued are not run
+            for future in pending:
+                future.cancel()
         return results
 
     async def _next_item(self, timeout: float | None) -> _Item | None:
-        if self._held is not None:
-            item, self._held = self._held, None
-            return item
+        if self._held:
+            return self._held.popleft()
         assert self._queue is not None
         if timeout is None:
             return await self._queue.get()
@@ -90,39 +204,83 @@ class MicroBatcher:
         except asyncio.TimeoutError:
             return None
 
+    def _timed(self, queries: list[str], topks: list[int]) -> tuple[list[Any], float, float]:
+        """Runs on a worker thread: the results, the share of a core this thread got while it
+        wanted one, and the wall time."""
+        before, wall = _cpu_and_wait(), time.perf_counter()
+        results = self._fn(queries, topks)
+        after, wall = _cpu_and_wait(), time.perf_counter() - wall
+        cpu, waited = after[0] - before[0], after[1] - before[1]
+        if waited < 0:  # no scheduler statistics: CPU time over wall time (GIL waits count)
+            return results, cpu / wall if wall > 0 else 1.0, wall
+        return results, cpu / (cpu + waited) if cpu + waited > 0 else 1.0, wall
+
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
+        """One worker: wait for a slot under the limit, take a batch, run it, repeat."""
+        assert self._slots is not None
         while True:
-            first = await self._next_item(None)
-            batch, size = [first], len(first.queries)
-            deadline = loop.time() + self._max_wait_s
-            while size < self._max_batch:
-                item = await self._next_item(deadline - loop.time())
-                if item is None:
-                    break
-                if size + len(item.queries) > self._max_batch:
-                    self._held = item  # starts the next batch; never split an item
-                    break
-                batch.append(item)
-                size += len(item.queries)
-            batch = [item for item in batch if not item.future.cancelled()]
-            if not batch:
-                continue
-            queries = [query for item in batch for query in item.queries]
-            topks = [item.topk for item in batch for _ in item.queries]
-            started = time.perf_counter()
+            async with self._slots:
+                await self._slots.wait_for(lambda: self._active < self.limit)
+                self._active += 1
             try:
-                results = await loop.run_in_executor(self._executor, self._fn, queries, topks)
-            except Exception as exc:  # noqa: BLE001 (handed to every waiting request)
-                for item in batch:
-                    if not item.future.done():
-                        item.future.set_exception(exc)
-                continue
-            if self._on_batch is not None:
-                self._on_batch(len(queries), time.perf_counter() - started)
-            position = 0
+                await self._one_batch()
+            finally:
+                async with self._slots:
+                    self._active -= 1
+                    self._slots.notify_all()
+
+    async def _one_batch(self) -> None:
+        loop = asyncio.get_running_loop()
+        first = await self._next_item(None)
+        batch, size = [first], len(first.queries)
+        deadline = loop.time() + self._max_wait_s
+        while size < self._max_batch:
+            item = await self._next_item(deadline - loop.time())
+            if item is None:
+                break
+            if size + len(item.queries) > self._max_batch:
+                self._held.append(item)  # starts the next batch; never split an item
+                break
+            batch.append(item)
+            size += len(item.queries)
+        batch = [item for item in batch if not item.future.cancelled()]
+        if not batch:
+            return
+        queries = [query for item in batch for query in item.queries]
+        topks = [item.topk for item in batch for _ in item.queries]
+        token = object()
+        if self._running:  # this batch and every one running now overlap
+            self._overlapped.update(self._running, (token,))
+        self._running.add(token)
+        try:
+            results, share, wall = await loop.run_in_executor(self._executor, self._timed,
+                                                              queries, topks)
+        except Exception as exc:  # noqa: BLE001 (handed to every waiting request)
             for item in batch:
-                part = results[position : position + len(item.queries)]
-                position += len(item.queries)
                 if not item.future.done():
-                    item.future.set_result(part)
+                    item.future.set_exception(exc)
+            return
+        finally:
+            self._running.discard(token)
+            overlapped = token in self._overlapped
+            self._overlapped.discard(token)
+        self._adapt(share if overlapped else None)
+        if self._on_batch is not None:
+            self._on_batch(len(queries), wall)
+        position = 0
+        for item in batch:
+            part = results[position : position + len(item.queries)]
+            position += len(item.queries)
+            if not item.future.done():
+                item.future.set_result(part)
+
+    def _adapt(self, cpu_share: float | None) -> None:
+        now = time.monotonic()
+        if cpu_share is not None:
+            self._shares.append(cpu_share)
+        limit = next_limit(self.limit, self._workers, self._shares, now - self._limit_changed)
+        if limit != self.limit:
+            log.debug("micro-batches at once: %d -> %d (core shares of overlapping batches: %s)",
+                      self.limit, limit, " ".join(f"{x:.2f}" for x in self._shares))
+            self.limit, self._limit_changed = limit, now
+            self._shares.clear()

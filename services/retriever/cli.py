@@ -61,6 +61,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                        help="queries per micro-batch (retriever.max_batch)")
     serve.add_argument("--max-wait-ms", type=float, default=None,
                        help="wait for a batch to fill (retriever.max_wait_ms)")
+    serve.add_argument("--workers", type=int, default=None,
+                       help="micro-batches run at once, threads split between them (0: auto; "
+                       "retriever.workers)")
     serve.set_defaults(handler=_serve)
 
 
@@ -103,6 +106,7 @@ def _serve(args: argparse.Namespace) -> int:
     flags = {
         "index_dir": args.index_dir, "host": args.host, "port": args.port, "topk": args.topk,
         "device": args.device, "max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms,
+        "workers": args.workers,
     }
     try:
         for key, value in flags.items():
@@ -129,7 +133,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from services.common.malloc_tuning import keep_freed_memory
     from services.retriever.app import create_app
+
+    keep_freed_memory()  # the encoder's multi-MiB activations reuse pages (malloc_tuning.py)
 
     server: uvicorn.Server | None = None
 

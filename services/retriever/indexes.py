@@ -13,6 +13,7 @@ device cannot be used, and the server refuses to start (services/retriever/searc
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -149,6 +150,9 @@ class BM25Index:
     def __init__(self, retriever, tokenizer) -> None:
         self.retriever = retriever
         self.tokenizer = tokenizer
+        # bm25s' tokenizer keeps Python caches that tokenize() may update; the search is
+        # pure Python/numpy under the GIL anyway, so the server's workers take turns here.
+        self._lock = threading.Lock()
 
     @classmethod
     def build(cls, texts: Iterable[str], rows: int, show_progress: bool = True) -> BM25Index:
@@ -186,10 +190,12 @@ class BM25Index:
         k = min(k, self.size)
         if not queries or k <= 0:
             return np.zeros((len(queries), 0), np.float32), np.zeros((len(queries), 0), np.int64)
-        tokens = self.tokenizer.tokenize(
-            queries, update_vocab=False, return_as="ids", show_progress=False
-        )
-        rows, scores = self.retriever.retrieve(tokens, k=k, show_progress=False, n_threads=1)
+        with self._lock:
+            tokens = self.tokenizer.tokenize(
+                queries, update_vocab=False, return_as="ids", show_progress=False
+            )
+            rows, scores = self.retriever.retrieve(tokens, k=k, show_progress=False,
+                                                   n_threads=1)
         scores = np.asarray(scores, dtype=np.float32)
         rows = np.asarray(rows, dtype=np.int64)
         # Like Lucene, only passages sharing a term with the query are hits; bm25s pads with

@@ -19,6 +19,9 @@ class RetrieverSection(Section):
     port: int = Field(default=8000, ge=0, le=65535)
     device: str = "cpu"
     max_batch: int = Field(default=64, ge=1)
+    # Micro-batches run at once, each on its own thread with threads/workers OpenMP threads;
+    # 0 = auto: one per thread up to 8 on CPU, 1 on cuda (services/common/threads.py).
+    workers: int = Field(default=0, ge=0)
     # Extra wait for a micro-batch to fill when the queue runs dry. 0 by default: requests that
     # arrive while a batch is running already share the next one, and a fixed wait only added
     # its full length to single-query latency on CPU (bench/retriever.md). Raise it on a GPU.

@@ -14,58 +14,16 @@ reaches in any process that has freed a buffer of 32 MiB (mmap threshold 32 MiB,
 threshold twice that). Allocations below 32 MiB then reuse arena memory, and up to 64 MiB of
 free memory stays mapped per arena instead of being handed back after every message. Larger
 allocations (the staging buffer, tensors) are still `mmap`ed and returned on free. It is
-process-wide and set once; it does nothing where the C library is not glibc.
+process-wide and set once; it does nothing where the C library is not glibc. The mechanism
+lives in services/common/malloc_tuning.py (the retriever's encoder uses it too).
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import logging
-import platform
-import threading
+from services.common.malloc_tuning import (  # noqa: F401 (this module's public names)
+    MMAP_THRESHOLD,
+    TRIM_THRESHOLD,
+)
+from services.common.malloc_tuning import keep_freed_memory as keep_receive_buffers
 
-log = logging.getLogger("forage.weight_sync")
-
-# mallopt(3) parameter numbers (glibc's malloc.h)
-M_TRIM_THRESHOLD = -1
-M_MMAP_THRESHOLD = -3
-# glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: the most mallopt accepts and the ceiling of the
-# dynamic threshold; its dynamic rule sets the trim threshold to twice the mmap threshold.
-MMAP_THRESHOLD = 32 << 20
-TRIM_THRESHOLD = 2 * MMAP_THRESHOLD
-
-_lock = threading.Lock()
-_applied: bool | None = None
-
-
-def keep_receive_buffers() -> bool:
-    """Pin glibc's mmap and trim thresholds (see the module docstring) once per process.
-
-    Returns True when they are set (now or by an earlier call), False on a C library other
-    than glibc or when mallopt refused.
-    """
-    global _applied
-    with _lock:
-        if _applied is None:
-            _applied = _apply()
-        return _applied
-
-
-def _apply() -> bool:
-    if platform.libc_ver()[0] != "glibc":
-        return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mallopt.restype = ctypes.c_int
-    ok = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
-        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-    log.debug("glibc malloc thresholds %s: mmap %d, trim %d",
-              "pinned" if ok else "refused", MMAP_THRESHOLD, TRIM_THRESHOLD)
-    return ok
+__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep_receive_buffers"]
