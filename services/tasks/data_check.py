@@ -18,11 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from services.tasks.datasets import (
-    RL_COLUMNS,
-    SFT_COLUMNS,
-    DatasetError,
     _check_rl_row,
     _check_sft_row,
+    read_table,
 )
 
 
@@ -93,27 +91,10 @@ def check_dataset(path: str | os.PathLike[str], kind: str = "rl",
                   rewards: Mapping[str, Any] | None = None) -> CheckReport:
     """Check every row of a parquet the learner will read. A file that cannot be read at all
     (missing, not parquet, missing columns) raises DatasetError, as the loader does."""
-    import pyarrow.parquet as pq
-
     from services.common.data_sources import known_data_sources
 
-    if kind not in ("rl", "sft"):
-        raise ValueError(f"kind must be 'rl' or 'sft', got {kind!r}")
     source = Path(path)
-    if not source.is_file():
-        raise DatasetError(f"{source}: no such file")
-    try:
-        table = pq.read_table(str(source))
-    except Exception as exc:  # pyarrow raises several types for a non-parquet file
-        raise DatasetError(f"{source}: not a readable parquet file ({exc})") from None
-    required = RL_COLUMNS if kind == "rl" else SFT_COLUMNS
-    missing = [c for c in required if c not in table.column_names]
-    if missing:
-        raise DatasetError(
-            f"{source}: missing column(s) {', '.join(repr(c) for c in missing)} "
-            f"(has: {', '.join(table.column_names)}); a {kind} dataset needs "
-            f"{', '.join(required)}"
-        )
+    table = read_table(source, kind)
     report = CheckReport(str(source), kind, known_sources=known_data_sources(rewards))
     known = set(report.known_sources)
     check = _check_rl_row if kind == "rl" else _check_sft_row

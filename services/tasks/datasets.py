@@ -46,6 +46,23 @@ def load_rows(path: str | os.PathLike[str], kind: str = "rl",
 
     Raises DatasetError naming the missing column or the first bad row.
     """
+    source = Path(path)
+    table = read_table(source, kind)
+    if limit is not None:
+        table = table.slice(0, limit)
+    rows = table.to_pylist()
+    check = _check_rl_row if kind == "rl" else _check_sft_row
+    for index, row in enumerate(rows):
+        problem = check(row)
+        if problem:
+            raise DatasetError(f"{source} row {index}: {problem}")
+    return rows
+
+
+def read_table(path: str | os.PathLike[str], kind: str = "rl") -> Any:
+    """The parquet table of an RL (kind="rl") or SFT (kind="sft") dataset, with the columns that
+    kind needs; DatasetError for a missing or unreadable file or a missing column. Shared by the
+    loader (first bad row) and `forage data check` (every bad row)."""
     import pyarrow.parquet as pq
 
     if kind not in ("rl", "sft"):
@@ -65,15 +82,7 @@ def load_rows(path: str | os.PathLike[str], kind: str = "rl",
             f"(has: {', '.join(table.column_names)}); a {kind} dataset needs "
             f"{', '.join(required)}"
         )
-    if limit is not None:
-        table = table.slice(0, limit)
-    rows = table.to_pylist()
-    check = _check_rl_row if kind == "rl" else _check_sft_row
-    for index, row in enumerate(rows):
-        problem = check(row)
-        if problem:
-            raise DatasetError(f"{source} row {index}: {problem}")
-    return rows
+    return table
 
 
 def _decode(value: Any) -> Any:
