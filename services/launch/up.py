@@ -131,6 +131,10 @@ def run_up(
     env["REDIS_URL"] = redis_server.url
     supervisor = Supervisor(run_dir, env=env)
     previous = signal.signal(signal.SIGTERM, _raise_stop)
+    # Ctrl-C too, explicitly: a process started in the background by a non-interactive shell
+    # (nohup, CI runners) inherits SIGINT as ignored, and Python then never raises
+    # KeyboardInterrupt, so `forage up` would not stop on Ctrl-C/SIGINT at all.
+    previous_int = signal.signal(signal.SIGINT, _raise_stop)
     code = 1
     try:
         specs = service_specs(resolved, config_path, ports)
@@ -162,6 +166,7 @@ def run_up(
         code = 1
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
         supervisor.stop_all(first=["learner"])
         if redis_server.embedded:
             redis_server.stop()

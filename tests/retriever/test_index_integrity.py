@@ -128,7 +128,10 @@ def test_an_interrupted_build_keeps_its_stage_and_drops_its_lock(tmp_path, tools
         [tools.forage, "retriever", "build-index", "--corpus", str(corpus), "--out",
          str(tmp_path / "idx"), "--batch-size", "8", "--no-progress"],
         env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True)
+        stderr=subprocess.PIPE, text=True,
+        # As in a terminal: a suite started in the background by a non-interactive shell (CI)
+        # passes SIGINT down as ignored, and the build would then never see the Ctrl-C.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline and process.poll() is None:
