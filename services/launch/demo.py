@@ -79,7 +79,58 @@ def _settings_stamp(cfg: RunConfig) -> dict[str, Any]:
                       if k.startswith("init_") or k == "max_length"},
             "sft": {k: getattr(cfg.learner, k) for k in ("sft_lr", "sft_epochs", "sft_batch_size",
                                                          "sft_max_rows", "sft_warmup_steps",
-                                                         "micro_batch_tokens", "seed")}}
+                                                         "micro_batch_tokens", "seed",
+                                                         "sft_until", "sft_eval_every",
+                                                         "sft_min_steps", "sft_max_steps",
+                                                         "sft_heldout")},
+            "max_tokens_per_turn": cfg.rollout.max_tokens_per_turn}
+
+
+def sft_total_steps(cfg: RunConfig, rows: int) -> int:
+    """Steps the SFT phase runs at most (services/learner/sft.py sft_length): the cap
+    `learner.sft_max_steps` when gated, else the epochs' steps, capped by it when set."""
+    learner = cfg.learner
+    if learner.sft_until is not None:
+        return int(learner.sft_max_steps or 0)
+    epochs = math.ceil(min(rows, learner.sft_max_rows or rows) / learner.sft_batch_size
+                       ) * learner.sft_epochs
+    return min(epochs, learner.sft_max_steps or epochs)
+
+
+def _skills_text(skills: dict[str, Any], thresholds: dict[str, float] | None) -> str:
+    names = list(thresholds) if thresholds else [
+        s for s in ("format", "query", "answer") if s in skills]
+    text = ", ".join(f"{n} {skills[n]:.2f}" if n in skills else f"{n} n/a" for n in names)
+    if thresholds:
+        text += " (thresholds " + " / ".join(f"{thresholds[n]:.2f}" for n in names) + ")"
+    return text
+
+
+def warm_start_line(result: dict[str, Any]) -> str:
+    """What the warm start reached, from the SFT phase's sft_result.json, in one line."""
+    skills, thresholds = result.get("skills") or {}, result.get("thresholds")
+    steps, cap = result.get("steps"), result.get("max_steps")
+    stopped = result.get("stopped")
+    if stopped == "thresholds":
+        return (f"warm start: {_skills_text(skills, thresholds)} reached at step {steps} of at "
+                f"most {cap}")
+    if stopped == "cap":
+        below = [f"{n} {skills[n]:.2f} < {need:.2f}" if n in skills else f"{n} not measured"
+                 for n, need in (thresholds or {}).items()
+                 if not (n in skills and skills[n] >= need)]
+        return (f"warm start: WARNING: the cap of {cap} SFT steps was hit before the skill "
+                f"thresholds ({', '.join(below)}); RL starts from a weaker warm start")
+    if skills:
+        return f"warm start: {_skills_text(skills, None)} after {steps} steps (no gate)"
+    return f"warm start: {steps} steps (skills not measured)"
+
+
+def read_warm_start(sft_out: Path) -> dict[str, Any] | None:
+    path = sft_out / "sft_result.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
 
 
 class SftProgress:
@@ -123,6 +174,9 @@ def prepare(cfg: RunConfig, config_file: Path, overrides: list[str], out: Path,
     timings: dict[str, float] = {}
     if reuse:
         _say(f"[1-3/5] world, policy and SFT already in {out} (same settings): reusing them")
+        result = read_warm_start(sft_out)
+        if result is not None:
+            _say(warm_start_line(result))
         return timings, sft_out / "policy"
     for path in (world, sft_out):
         shutil.rmtree(path, ignore_errors=True)
@@ -144,9 +198,14 @@ def prepare(cfg: RunConfig, config_file: Path, overrides: list[str], out: Path,
     import pyarrow.parquet as pq
 
     rows = pq.read_metadata(str(world / "sft.parquet")).num_rows
+    total = sft_total_steps(cfg, rows)
     rows = min(rows, cfg.learner.sft_max_rows or rows)
-    total = math.ceil(rows / cfg.learner.sft_batch_size) * cfg.learner.sft_epochs
-    _say(f"[3/5] SFT warm start: {rows} demonstrations, {total} steps -> {sft_out}")
+    if cfg.learner.sft_until:
+        until = ", ".join(f"{n} {v:.2f}" for n, v in cfg.learner.sft_until.items())
+        _say(f"[3/5] SFT warm start: {rows} demonstrations, until the held-out skills reach "
+             f"{until}, at most {total} steps -> {sft_out}")
+    else:
+        _say(f"[3/5] SFT warm start: {rows} demonstrations, {total} steps -> {sft_out}")
     bar = SftProgress(sft_out / "sft_metrics.jsonl", total)
     try:
         timings["sft_s"] = _run_phase("sft", forage_argv(
@@ -155,6 +214,9 @@ def prepare(cfg: RunConfig, config_file: Path, overrides: list[str], out: Path,
             "--out", str(sft_out)), logs, follow=bar)
     finally:
         bar.close()
+    result = read_warm_start(sft_out)
+    if result is not None:
+        _say(warm_start_line(result))
     stamp_path.write_text(json.dumps(stamp))
     return timings, sft_out / "policy"
 
@@ -207,7 +269,8 @@ def run_demo(out: Path, quick: bool = False, overrides: list[str] | None = None,
         _say(f"forage demo: the run stopped (learner exit {code}); logs in {out / 'logs'}")
         return code
     info = {"wall_seconds": time.monotonic() - started, "quick": quick, "phases": timings,
-            "config": str(out / "config.yaml"), "namespace": namespace}
+            "config": str(out / "config.yaml"), "namespace": namespace,
+            "warm_start": read_warm_start(out / "sft")}
     (out / "demo.json").write_text(json.dumps(info, indent=1))
     _say("[5/5] report")
     summary = write_report(out)

@@ -106,6 +106,43 @@ def check_sft_inputs(cfg: RunConfig, data: str) -> None:
     check_parquet_columns(path, "--data", SFT_COLUMNS)
 
 
+def heldout_path(learner: Any, data: str) -> Path:
+    """`learner.sft_heldout`, else sft_heldout.parquet beside the SFT data."""
+    return Path(learner.sft_heldout or Path(data).with_name("sft_heldout.parquet"))
+
+
+def check_gate_inputs(learner: Any, data: str) -> None:
+    """One line for bad thresholds or a missing held-out set, before anything is loaded."""
+    from services.common.config import ConfigError
+    from services.learner.sft_skills import check_thresholds
+
+    if learner.sft_until is not None:
+        try:
+            check_thresholds(learner.sft_until)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    if learner.sft_eval_every:
+        from services.tasks.datasets import SFT_COLUMNS
+
+        key = "learner.sft_heldout" if learner.sft_heldout else (
+            "learner.sft_heldout (default: beside --data)")
+        path = require_file(str(heldout_path(learner, data)), key,
+                            "held-out demonstrations; `forage data synth` writes them")
+        check_parquet_columns(path, key, SFT_COLUMNS)
+
+
+def sft_length(learner: Any, steps_per_epoch: int) -> int:
+    """Steps to run at most: the cap `sft_max_steps` when gated, else the epochs' steps
+    (capped by `sft_max_steps` when set). The LR schedule's horizon is this number, so with
+    the gate the LR at step t never depends on when the gate stops: a run stopped early and
+    one resumed saw the same schedule, and a cosine decay would reach its end only at the cap
+    (the demo's schedule is constant after the warm-up)."""
+    if learner.sft_until is not None:
+        return int(learner.sft_max_steps)
+    epochs = steps_per_epoch * learner.sft_epochs
+    return min(epochs, learner.sft_max_steps or epochs)
+
+
 def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     return np.random.default_rng([seed, epoch]).permutation(n).tolist()
 
@@ -126,6 +163,7 @@ def run_sft(cfg: RunConfig, data: str, out_dir: str, resume: bool = False) -> in
     from services.learner.trainer import PolicyTrainer
 
     check_sft_inputs(cfg, data)  # every input path, before anything is loaded
+    check_gate_inputs(cfg.learner, data)
     learner = cfg.learner
     if learner.sft_warmup_steps is not None:
         learner = learner.model_copy(update={"warmup_steps": learner.sft_warmup_steps})
@@ -138,7 +176,8 @@ def run_sft(cfg: RunConfig, data: str, out_dir: str, resume: bool = False) -> in
         samples = samples[: learner.sft_max_rows]
     per_step = learner.sft_batch_size
     steps_per_epoch = math.ceil(len(samples) / per_step)
-    total = steps_per_epoch * learner.sft_epochs
+    total = sft_length(learner, steps_per_epoch)
+    thresholds = dict(learner.sft_until) if learner.sft_until is not None else None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     trainer = PolicyTrainer(
         cfg.model.path, learner, lr=learner.sft_lr or learner.lr, total_steps=total,
@@ -157,13 +196,27 @@ def run_sft(cfg: RunConfig, data: str, out_dir: str, resume: bool = False) -> in
             log.info("no checkpoint under %s; starting fresh", ckpt_dir)
     if D.rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
-    log.info("SFT: %d samples, %d steps (%d per epoch), %d rank(s)", len(samples), total,
-             steps_per_epoch, D.world_size())
+    log.info("SFT: %d samples, %d steps %s(%d per epoch), %d rank(s)", len(samples), total,
+             "at most " if thresholds else "", steps_per_epoch, D.world_size())
+    skill_items: list[Any] = []
+    if learner.sft_eval_every:
+        from services.learner.sft_skills import load_items
+
+        skill_items, mismatches = load_items(str(heldout_path(learner, data)), tokenizer,
+                                             cfg.model.max_length)
+        log.info("skills measured every %d steps on %d held-out items%s", learner.sft_eval_every,
+                 len(skill_items), f"; {mismatches} <search> splits were not a token prefix "
+                 "of their turn" if mismatches else "")
+    history = [_skills_of(r) for r in state.metrics_history if "skill/format" in r]
+    stopped = "epochs"
+    if thresholds and history and history[-1]["step"] == state.step and _gate_open(
+            history[-1], thresholds, learner.sft_min_steps):
+        stopped = "thresholds"  # resumed after the gate had already stopped the run
     from tqdm import tqdm
 
     saved_at = state.step
     bar = tqdm(total=total, initial=state.step, desc="sft", disable=D.rank() != 0)
-    while state.step < total:
+    while state.step < total and stopped != "thresholds":
         epoch, position = divmod(state.step, steps_per_epoch)
         order = _epoch_order(len(samples), learner.seed, epoch)
         batch = [samples[i] for i in order[position * per_step : (position + 1) * per_step]]
@@ -171,6 +224,15 @@ def run_sft(cfg: RunConfig, data: str, out_dir: str, resume: bool = False) -> in
         state.step += 1
         state.data_cursor = {"epoch": epoch, "position": position + 1}
         record = {"step": state.step, "epoch": epoch, **metrics}
+        if skill_items and (state.step % learner.sft_eval_every == 0 or state.step == total):
+            skills = _measure(trainer, tokenizer, skill_items, cfg.rollout.max_tokens_per_turn)
+            record.update({f"skill/{k}": v for k, v in skills.items() if k != "seconds"})
+            record["skill_seconds"] = skills["seconds"]
+            history.append(_skills_of(record))
+            log.info("step %d: skills %s [%.1fs]", state.step,
+                     _describe(history[-1], thresholds), skills["seconds"])
+            if thresholds and _gate_open(history[-1], thresholds, learner.sft_min_steps):
+                stopped = "thresholds"
         state.metrics_history.append(record)
         if D.rank() == 0:
             with metrics_path.open("a") as fh:
@@ -182,6 +244,23 @@ def run_sft(cfg: RunConfig, data: str, out_dir: str, resume: bool = False) -> in
                             keep=learner.keep_checkpoints)
             saved_at = state.step
     bar.close()
+    if thresholds and stopped != "thresholds":
+        stopped = "cap"
+        last = history[-1] if history else {"step": state.step}
+        log.warning("SFT hit the cap learner.sft_max_steps=%d before the skills reached "
+                    "learner.sft_until: %s at step %d; RL starts from a weaker warm start",
+                    total, _shortfall(last, thresholds) or "not measured", last["step"])
+    elif thresholds:
+        log.info("SFT skills reached at step %d: %s", state.step,
+                 _describe(history[-1], thresholds))
+    if D.rank() == 0:
+        result = {"steps": state.step, "max_steps": total, "stopped": stopped,
+                  "skills": {k: v for k, v in (history[-1] if history else {}).items()
+                             if k != "step"},
+                  "thresholds": thresholds, "history": history}
+        tmp = out / "sft_result.json.tmp"
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+        os.replace(tmp, out / "sft_result.json")
     if saved_at != state.step or latest_checkpoint(ckpt_dir) is None:
         save_checkpoint(trainer, ckpt_dir, state, tokenizer_from=cfg.model.path,
                         keep=learner.keep_checkpoints)
@@ -196,3 +275,35 @@ def run_sft(cfg: RunConfig, data: str, out_dir: str, resume: bool = False) -> in
         log.info("SFT done at step %d; policy in %s", state.step, export)
     D.barrier()
     return 0
+
+
+def _skills_of(record: dict[str, Any]) -> dict[str, Any]:
+    """{step, format, query, ...} from a metrics record's `skill/*` keys."""
+    return {"step": record["step"], **{k.removeprefix("skill/"): v for k, v in record.items()
+                                       if k.startswith("skill/")}}
+
+
+def _gate_open(skills: dict[str, Any], thresholds: dict[str, float], min_steps: int) -> bool:
+    from services.learner.sft_skills import reached
+
+    return skills["step"] >= min_steps and reached(skills, thresholds)
+
+
+def _describe(skills: dict[str, Any], thresholds: dict[str, float] | None) -> str:
+    from services.learner.sft_skills import describe
+
+    return describe({k: v for k, v in skills.items() if k != "step"}, thresholds)
+
+
+def _shortfall(skills: dict[str, Any], thresholds: dict[str, float]) -> str:
+    from services.learner.sft_skills import shortfall
+
+    return shortfall({k: v for k, v in skills.items() if k != "step"}, thresholds)
+
+
+def _measure(trainer: Any, tokenizer: Any, items: list[Any], max_new_tokens: int) -> dict:
+    """Skills of the policy being trained. Every rank runs the same greedy generations on the
+    same weights (ZeRO-3 needs every rank in each forward), so every rank decides alike."""
+    from services.learner.sft_skills import measure
+
+    return measure(trainer.policy.module, tokenizer, items, max_new_tokens)

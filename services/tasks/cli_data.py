@@ -24,6 +24,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                        help="strategy weights, e.g. good=0.4,guess=0.3,sloppy=0.3")
     synth.add_argument("--sft-topk", type=int, default=None,
                        help="passages per search in demonstrations (default: world's)")
+    synth.add_argument("--sft-heldout", type=int, default=None,
+                       help="train questions held out of sft.parquet for the skill measurement "
+                            "(default 64, or 10%% when fewer; 0: none)")
     synth.add_argument("--index-type", default="flat", help="retriever index type for SFT")
     synth.add_argument("--encoder", default=None, help="sentence-transformers model directory")
     synth.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -81,6 +84,7 @@ def _synth(args: argparse.Namespace) -> int:
         index_type=args.index_type,
         encoder=args.encoder,
         show_progress=not args.quiet,
+        sft_heldout=args.sft_heldout,
     )
     print(json.dumps(summary, indent=1))
     return 0

@@ -7,6 +7,9 @@ Output directory:
                   the tokenizer, `recommended_topk`
   index/          the retriever's index of corpus.jsonl (reused by `forage retriever serve`)
   sft.parquet     demonstrations (see services/tasks/sft.py for the row format)
+  sft_heldout.parquet  good-strategy demonstrations of a fixed slice of train questions kept out
+                  of sft.parquet (they stay in train.parquet for RL): the SFT loop measures the
+                  policy's skills on them (services/learner/sft_skills.py)
 """
 
 from __future__ import annotations
@@ -24,6 +27,19 @@ from services.tasks.world import build_world, split_rows
 log = logging.getLogger("forage.tasks.synth")
 
 INDEX_DIR = "index"
+HELDOUT_FILE = "sft_heldout.parquet"
+DEFAULT_HELDOUT = 64  # held-out questions, or 10% of the train questions when that is fewer
+
+
+def heldout_indices(n_questions: int, seed: int, count: int | None = None) -> list[int]:
+    """Which train questions are held out of sft.parquet: `count` (default 64, at most 10% of
+    the questions, at least 1; 0: none) drawn with a seed-derived RNG, sorted."""
+    import random
+
+    if count is None:
+        count = max(1, min(DEFAULT_HELDOUT, n_questions // 10))
+    count = max(0, min(count, n_questions - 1))
+    return sorted(random.Random(f"sft-heldout-{seed}").sample(range(n_questions), count))
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -45,6 +61,7 @@ def synthesize(
     index_type: str = "flat",
     encoder: str | None = None,
     show_progress: bool = True,
+    sft_heldout: int | None = None,
 ) -> dict[str, Any]:
     """Write the world; returns a summary (counts, SFT strategy mix and accuracy)."""
     out = Path(out_dir)
@@ -60,7 +77,7 @@ def synthesize(
     if sft:
         topk = sft_topk or world.recommended_topk
         summary["sft"] = build_sft(out, meta, topk, sft_mix, seed, index_type, encoder,
-                                   show_progress)
+                                   show_progress, sft_heldout)
     meta["summary"] = summary
     tmp = out / "world.json.tmp"
     tmp.write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n")
@@ -70,8 +87,9 @@ def synthesize(
 
 def build_sft(out: Path, meta: dict[str, Any], topk: int, mix: str | dict[str, float],
               seed: int, index_type: str = "flat", encoder: str | None = None,
-              show_progress: bool = True) -> dict[str, Any]:
-    """Index the corpus with the real retriever (in-process) and write sft.parquet."""
+              show_progress: bool = True, heldout: int | None = None) -> dict[str, Any]:
+    """Index the corpus with the real retriever (in-process) and write sft.parquet and
+    sft_heldout.parquet (good demonstrations of the held-out questions)."""
     from services.retriever.build import build_index
     from services.retriever.searcher import Searcher
     from services.tasks.datasets import load_rows
@@ -94,12 +112,23 @@ def build_sft(out: Path, meta: dict[str, Any], topk: int, mix: str | dict[str, f
             "relation": extra["relation"],
             "hops": extra["hops"],
         })
-    rows = build_sft_rows(questions, search, meta, topk, mix, seed, show_progress)
+    held = set(heldout_indices(len(questions), seed, heldout))
+    rows = build_sft_rows([q for i, q in enumerate(questions) if i not in held], search, meta,
+                          topk, mix, seed, show_progress)
     write_rows(out / "sft.parquet", rows)
+    held_rows = build_sft_rows([questions[i] for i in sorted(held)], search, meta, topk,
+                               {"good": 1.0}, seed)
+    for row, index in zip(held_rows, sorted(held), strict=True):
+        row["extra_info"]["index"] = index  # the question's row in train.parquet
+        row["extra_info"]["split"] = "heldout"
+    (out / HELDOUT_FILE).unlink(missing_ok=True)
+    if held_rows:
+        write_rows(out / HELDOUT_FILE, held_rows)
     strategies = Counter(r["extra_info"]["strategy"] for r in rows)
     correct = Counter(r["extra_info"]["strategy"] for r in rows if r["extra_info"]["correct"])
     return {
         "rows": len(rows),
+        "heldout": len(held_rows),
         "topk": topk,
         "strategies": dict(strategies),
         "accuracy": {s: round(correct[s] / n, 3) for s, n in strategies.items()},

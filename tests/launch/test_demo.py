@@ -79,6 +79,13 @@ def test_quick_demo_runs_every_service_and_writes_a_report(quick_demo, redis_url
     for png in ("reward_em.png", "searches.png", "response_length.png", "probe_curve.png"):
         assert (out / "report" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "held-out EM" in proc.stdout
+    # the warm start says what it reached (issue 15): measured, ungated in --quick
+    warm = [line for line in proc.stdout.splitlines() if line.startswith("warm start: ")]
+    assert len(warm) == 1 and "format " in warm[0] and "after 4 steps (no gate)" in warm[0], warm
+    assert info["warm_start"]["stopped"] == "epochs" and info["warm_start"]["steps"] == 4
+    assert [h["step"] for h in info["warm_start"]["history"]] == [4]
+    stamp = json.loads((out / "prepared.json").read_text())
+    assert stamp["sft"]["sft_eval_every"] == 4 and "sft_until" in stamp["sft"]
     # EM 0 -> 0 is expected at toy size: the output says so instead of looking broken
     assert "checks the plumbing at toy size" in proc.stdout and "does not learn" in proc.stdout
     assert (out / "report" / "index.html").is_file()

@@ -67,6 +67,19 @@ class LearnerSection(Section):
     sft_max_rows: int | None = Field(default=None, ge=1)  # use only the first N rows (None: all)
     sft_save_every: int = Field(default=0, ge=0)  # optimizer steps between checkpoints; 0: end only
     keep_checkpoints: int = Field(default=2, ge=1)  # older complete checkpoints are deleted
+    # Skill-gated warm start (services/learner/sft_skills.py; docs/learner.md "SFT warm start").
+    # Every `sft_eval_every` steps (0: never) measure skills on held-out demonstrations; with
+    # `sft_until` ({skill: threshold}, skills format / first_query / query / answer) train,
+    # epochs repeating, until every listed skill reaches its threshold (not before
+    # `sft_min_steps`), at most `sft_max_steps` steps (then a WARNING); sft_epochs is ignored.
+    # None: a fixed length, `sft_epochs` epochs (capped by `sft_max_steps` when set).
+    sft_until: dict[str, float] | None = None
+    sft_eval_every: int = Field(default=0, ge=0)
+    sft_min_steps: int = Field(default=0, ge=0)
+    sft_max_steps: int | None = Field(default=None, ge=1)
+    # Held-out demonstrations (None: sft_heldout.parquet beside the SFT data, as `forage data
+    # synth` writes it).
+    sft_heldout: str | None = None
     # --- The RL stream loop (`forage learner train`; services/learner/loop.py) ---
     # A group not complete this long after its latest issue is issued again (counted); after
     # `max_attempts` issues it is given up (counted) so one bad prompt cannot stall the run.
@@ -101,4 +114,11 @@ class LearnerSection(Section):
     def _one_warmup(self) -> LearnerSection:
         if self.warmup_ratio is not None and self.warmup_steps:
             raise ValueError("set learner.warmup_steps or learner.warmup_ratio, not both")
+        if self.sft_until is not None and not self.sft_eval_every:
+            raise ValueError("learner.sft_until needs learner.sft_eval_every > 0 (how often the "
+                             "skills are measured)")
+        if self.sft_until is not None and self.sft_max_steps is None:
+            raise ValueError("learner.sft_until needs learner.sft_max_steps (the cap)")
+        if self.sft_max_steps is not None and self.sft_min_steps > self.sft_max_steps:
+            raise ValueError("learner.sft_min_steps is above learner.sft_max_steps")
         return self
