@@ -132,6 +132,10 @@ def test_sft_is_deterministic(demo: dict) -> None:
         "relation": r["extra_info"]["relation"],
         "hops": r["extra_info"]["hops"],
     } for r in train]
+    from services.tasks.synth import heldout_indices
+
+    held = set(heldout_indices(len(questions), seed=1))  # in sft_heldout.parquet instead
+    questions = [q for i, q in enumerate(questions) if i not in held]
     search = prefetch(Searcher.load(demo["dir"] / "index"), meta, 1)
     again = build_sft_rows(questions, search, meta, 1, "good=0.4,guess=0.3,sloppy=0.3", seed=1)
     assert [r["segments"] for r in again] == [r["segments"] for r in written]
