@@ -86,6 +86,14 @@ def test_gate_stops_at_the_first_measurement_that_meets_the_thresholds(tiny_poli
     assert (out / "policy" / "config.json").is_file()
     # the LR schedule's horizon is the cap, not the steps run: same LR as a 40-step run
     assert "40 steps at most" in proc.stderr
+    # resuming a run the gate stopped does not train on
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    again = subprocess.run([str(FORAGE), "learner", "sft", "--config", str(cfg), "--data",
+                            str(data), "--resume"], env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stderr and [s["step"] for s in _steps(out)] == list(range(1, 7))
+    assert json.loads((out / "sft_result.json").read_text())["stopped"] == "thresholds"
 
 
 @pytest.mark.slow  # a real `forage learner sft` run: 30-140 s on the shared 2 cores
