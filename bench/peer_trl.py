@@ -30,6 +30,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -78,9 +79,8 @@ def warm_start(policy: str | None, world: str | None) -> tuple[Path, Path, str]:
     _, policy_dir = prepare(cfg, DEMO_CONFIG, [], out)
     took = time.monotonic() - started
     how = "reused" if took < 30 else f"built in {took:.0f} s"
-    return out / "world", policy_dir, (f"the demo's warm start ({how}: world seed "
-                                       f"{cfg.data.seed}, {cfg.learner.sft_epochs} SFT epochs) "
-                                       f"in {out}")
+    return out / "world", policy_dir, (f"the demo's warm start ({how}, world seed "
+                                       f"{cfg.data.seed}, configs/demo.yaml's SFT) in {out}")
 
 
 # ---------------------------------------------------------------------------- task (a)
@@ -210,6 +210,14 @@ class RunResult:
     memory: MemoryPeak = field(default_factory=MemoryPeak)
     load_before: float = 0.0
     load_after: float = 0.0
+    # mean seconds per step of each phase, steps 2.. (Forage: the learner's timing/*; TRL: the
+    # wrapped trainer methods)
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def add_phases(self, per_step: list[dict[str, float]]) -> None:
+        rows = per_step[1:] or per_step
+        for key in sorted({k for row in rows for k in row}):
+            self.phases[key] = sum(row.get(key, 0.0) for row in rows) / max(1, len(rows))
 
     def steps_per_min(self) -> float:
         """Steady rate between the first and the last step (start-up and step 1 excluded)."""
@@ -252,6 +260,27 @@ def _launch(argv: list[str], log_path: Path, env: dict[str, str], result: RunRes
 
 # ---------------------------------------------------------------------------- Forage
 
+def forage_env() -> dict[str, str]:
+    """The environment of `forage up`: its own DeepSpeed JIT-extension folder. On CPU the
+    learner's DeepSpeed init compiles the shm_comm op (C++, about a minute on 2 cores) into
+    TORCH_EXTENSIONS_DIR, behind a lock file; a build killed elsewhere on the machine leaves that
+    lock behind and every later learner sharing the folder waits on it forever (seen here)."""
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env["TORCH_EXTENSIONS_DIR"] = str(CACHE / "torch_extensions")
+    return env
+
+
+def prebuild_deepspeed_ops() -> float:
+    """Compile DeepSpeed's CPU shm_comm op once, outside the timed runs; returns seconds."""
+    started = time.monotonic()
+    code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+    done = subprocess.run([sys.executable, "-c", code], env=forage_env(), cwd=REPO,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise BenchError(f"building DeepSpeed's shm_comm op failed: {done.stderr[-500:]}")
+    return time.monotonic() - started
+
+
 def run_forage(policy: Path, task: dict[str, Path], out: Path, steps: int, staleness: int,
                save_every: int) -> RunResult:
     from services.common.config import load_config
@@ -274,18 +303,22 @@ def run_forage(policy: Path, task: dict[str, Path], out: Path, steps: int, stale
     argv = [sys.executable, "-m", "services.cli", "up", "--config", str(CONFIG),
             *[a for s in sets for a in ("--set", s)]]
     result = RunResult(name, trajectories_per_step=cfg.learner.train_batch_size * cfg.data.n_samples)
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # its own embedded Redis
+    env = forage_env()
     started_wall = time.time()
     started = _launch(argv, run_dir / "up.log", env, result)
     del started
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
                if line.strip()]
+    phases = []
     for rec in (r for r in records if r.get("kind") == "train"):
+        phases.append({k.split("/")[1][:-2]: float(v) for k, v in rec.items()
+                       if k.startswith("timing/") and k.endswith("_s") and k != "timing/step_s"})
         result.steps.append(int(rec["step"]))
         result.times.append(float(rec["time"]) - started_wall)
         result.tokens.append(float(rec.get("policy_tokens/mean", 0.0))
                              * float(rec.get("throughput/trajectories", 0)))
         result.rewards.append(float(rec.get("reward/mean", math.nan)))
+    result.add_phases(phases)
     at = dict(zip(result.steps, result.times, strict=True))
     for step_dir in sorted((run_dir / "ckpt").glob("step_*")):
         step = int(step_dir.name.split("_")[1])
@@ -358,9 +391,13 @@ def run_trl(settings: dict[str, Any], out: Path) -> RunResult:
     started_wall = time.time()
     _launch([sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(spec)],
             run_dir / "trl.log", env, result)
+    phases = []
     for line in (run_dir / "steps.jsonl").read_text().splitlines():
         rec = json.loads(line)
         if rec["kind"] == "step":
+            gen, total = rec.get("generate_s", 0.0), rec.get("train_step_s", 0.0)
+            phases.append({"generate+reward": gen, "reward": rec.get("reward_s", 0.0),
+                           "update": total - gen})
             result.steps.append(int(rec["step"]))
             result.times.append(float(rec["time"]) - started_wall)
             result.tokens.append(float(rec.get("tokens", 0.0)))
@@ -368,6 +405,7 @@ def run_trl(settings: dict[str, Any], out: Path) -> RunResult:
         elif rec["kind"] == "save":
             ckpt = run_dir / f"checkpoint-{rec['step']}"
             result.checkpoints[int(rec["step"])] = (float(rec["time"]) - started_wall, str(ckpt))
+    result.add_phases(phases)
     if len(result.steps) != grpo["max_steps"]:
         raise BenchError(f"trl: {len(result.steps)} of {grpo['max_steps']} steps ({run_dir})")
     return result
@@ -401,13 +439,26 @@ def trl_worker(spec_path: str) -> int:
                                   "ground_truth": json.dumps(r["reward_model"]["ground_truth"])}
                                  for r in rows])
     scorer = Scorer()
+    phases: dict[str, float] = {}  # seconds per phase in the current optimizer step
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
+        return wrapper
 
     def forage_reward(prompts: list[str], completions: list[str], data_source: list[str],
                       ground_truth: list[str], **_: Any) -> list[float]:
         """The scorer service's own code path (Scorer.score_many), called in-process."""
         requests = [ScoreRequest(s, c, json.loads(g))
                     for s, c, g in zip(data_source, completions, ground_truth, strict=True)]
-        return [r.score for r in scorer.score_many(requests)]
+        start = time.perf_counter()
+        scores = [r.score for r in scorer.score_many(requests)]
+        phases["reward"] = phases.get("reward", 0.0) + time.perf_counter() - start
+        return scores
 
     log_path = run_dir / "steps.jsonl"
 
@@ -421,7 +472,9 @@ def trl_worker(spec_path: str) -> int:
                 handle.write(json.dumps(record) + "\n")
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            self._write({"kind": "step", "step": state.global_step, "time": time.time()})
+            self._write({"kind": "step", "step": state.global_step, "time": time.time(),
+                         **{f"{k}_s": v for k, v in phases.items()}})
+            phases.clear()
 
         def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             self._write({"kind": "save", "step": state.global_step, "time": time.time()})
@@ -432,6 +485,11 @@ def trl_worker(spec_path: str) -> int:
     callback = StepLog()
     trainer = GRPOTrainer(model=model, reward_funcs=[forage_reward], args=config,
                           train_dataset=dataset, processing_class=tokenizer, callbacks=[callback])
+    # Profile: generation + reward + advantages ("generate") and the whole step; the update is
+    # the difference (TRL's own profiling_context reports only to wandb/mlflow/trackio).
+    trainer._generate_and_score_completions = timed(
+        "generate", trainer._generate_and_score_completions)
+    trainer.training_step = timed("train_step", trainer.training_step)
     trainer.train()
     # on_log runs after on_step_end in this version: merge the metrics into the step lines
     logged = [h for h in trainer.state.log_history if "completions/mean_length" in h]
@@ -529,6 +587,9 @@ def report(results: list[RunResult], scores: dict[str, dict[str, Any]], base_em:
             f"{_fmt(100 * sc['em_steps'], 1):>8}%"
             f"{(_fmt(100 * at_time, 1) + '%@' + str(sc['time_step'])) if at_time is not None else 'n/a':>12}"
             f"{res.load_before:>5.1f}->{res.load_after:<4.1f}")
+    for res in results:
+        lines.append(f"  {res.name} per step: " + ", ".join(
+            f"{k} {v:.2f} s" for k, v in res.phases.items()))
     return lines
 
 
@@ -543,9 +604,13 @@ def main(argv: list[str] | None = None) -> int:
                              "the step's batch (16)")
     parser.add_argument("--no-sync", action="store_true",
                         help="skip Forage's synchronous run (max_staleness 0)")
+    parser.add_argument("--trl-first", action="store_true",
+                        help="run TRL before Forage (alternate the order between repeats)")
     parser.add_argument("--out", default=str(CACHE / "run"), help="run folder")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    # SIGTERM ends the run like Ctrl-C: _launch then stops the tool it started (its own session)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     if args.trl_worker:
         return trl_worker(args.trl_worker)
     try:
@@ -573,9 +638,13 @@ def _bench(args: argparse.Namespace) -> int:
     print(f"policy: {how}", flush=True)
     task = build_task(world, policy, cfg.data.seed)
     print(f"task (a): {task['train']} / {task['test']}", flush=True)
+    print(f"DeepSpeed shm_comm op ready ({prebuild_deepspeed_ops():.0f} s, not timed)",
+          flush=True)
     results: list[RunResult] = []
     settings = trl_settings(policy, task, out, args.steps, args.save_every, args.trl_micro_batch)
     plan = [("forage", 1), ("trl", None)] + ([] if args.no_sync else [("forage", 0)])
+    if args.trl_first:
+        plan = [plan[1], plan[0], *plan[2:]]
     for tool, staleness in plan:
         print(f"running {tool}{'' if staleness is None else f' max_staleness {staleness}'} "
               f"({args.steps} steps)...", flush=True)
@@ -616,7 +685,8 @@ def _bench(args: argparse.Namespace) -> int:
     print("\n".join(lines))
     print(f"summary: {out / 'summary.json'}")
     trl_rate = next(r for r in results if r.name.startswith("trl")).steps_per_min()
-    print(f"ratio: {results[0].steps_per_min() / trl_rate:.2f}")
+    forage_async = next(r for r in results if r.name == "forage (max_staleness 1)")
+    print(f"ratio: {forage_async.steps_per_min() / trl_rate:.2f}")
     return 0
 
 
