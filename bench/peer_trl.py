@@ -260,13 +260,15 @@ def _launch(argv: list[str], log_path: Path, env: dict[str, str], result: RunRes
 
 # ---------------------------------------------------------------------------- Forage
 
-def forage_env() -> dict[str, str]:
+def forage_env(threads: int = 0) -> dict[str, str]:
     """The environment of `forage up`: its own DeepSpeed JIT-extension folder. On CPU the
     learner's DeepSpeed init compiles the shm_comm op (C++, about a minute on 2 cores) into
     TORCH_EXTENSIONS_DIR, behind a lock file; a build killed elsewhere on the machine leaves that
     lock behind and every later learner sharing the folder waits on it forever (seen here)."""
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     env["TORCH_EXTENSIONS_DIR"] = str(CACHE / "torch_extensions")
+    if threads:  # every child of `forage up` gets this many (services/common/threads.py)
+        env["FORAGE_THREADS"] = str(threads)
     return env
 
 
@@ -282,7 +284,7 @@ def prebuild_deepspeed_ops() -> float:
 
 
 def run_forage(policy: Path, task: dict[str, Path], out: Path, steps: int, staleness: int,
-               save_every: int) -> RunResult:
+               save_every: int, threads: int = 0) -> RunResult:
     from services.common.config import load_config
 
     name = f"forage (max_staleness {staleness})"
@@ -303,7 +305,7 @@ def run_forage(policy: Path, task: dict[str, Path], out: Path, steps: int, stale
     argv = [sys.executable, "-m", "services.cli", "up", "--config", str(CONFIG),
             *[a for s in sets for a in ("--set", s)]]
     result = RunResult(name, trajectories_per_step=cfg.learner.train_batch_size * cfg.data.n_samples)
-    env = forage_env()
+    env = forage_env(threads)
     started_wall = time.time()
     started = _launch(argv, run_dir / "up.log", env, result)
     del started
@@ -604,6 +606,9 @@ def main(argv: list[str] | None = None) -> int:
                              "the step's batch (16)")
     parser.add_argument("--no-sync", action="store_true",
                         help="skip Forage's synchronous run (max_staleness 0)")
+    parser.add_argument("--forage-threads", type=int, default=0,
+                        help="FORAGE_THREADS for every `forage up` child (0: Forage's default, "
+                             "usable cores / 4 processes, at least 1)")
     parser.add_argument("--trl-first", action="store_true",
                         help="run TRL before Forage (alternate the order between repeats)")
     parser.add_argument("--out", default=str(CACHE / "run"), help="run folder")
@@ -652,7 +657,7 @@ def _bench(args: argparse.Namespace) -> int:
             results.append(run_trl(settings, out))
         else:
             results.append(run_forage(policy, task, out, args.steps, staleness,
-                                      args.save_every))
+                                      args.save_every, args.forage_threads))
         res = results[-1]
         print(f"  {res.name}: {_fmt(res.steps_per_min())} steps/min, wall {res.wall_s:.0f} s",
               flush=True)
