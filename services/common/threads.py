@@ -223,6 +223,11 @@ def set_worker_threads(threads: int) -> dict[str, int]:
     `faiss.omp_set_num_threads` on the main thread does not reach a worker) in torch and faiss
     where loaded; returns what they report back on this thread."""
     set_library_threads(threads)
+    return _library_threads()
+
+
+def _library_threads() -> dict[str, int]:
+    """torch's and faiss's thread counts on the calling thread, for those already loaded."""
     report: dict[str, int] = {}
     torch = sys.modules.get("torch")
     if torch is not None:
@@ -236,11 +241,4 @@ def set_worker_threads(threads: int) -> dict[str, int]:
 def thread_report() -> dict[str, object]:
     """What this process runs with now (for /healthz and logs): torch's and faiss's thread
     counts where loaded, and the wait policy libgomp read."""
-    report: dict[str, object] = {"omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "")}
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        report["torch"] = torch.get_num_threads()
-    faiss = sys.modules.get("faiss")
-    if faiss is not None:
-        report["faiss"] = faiss.omp_get_max_threads()
-    return report
+    return {"omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""), **_library_threads()}
