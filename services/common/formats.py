@@ -8,6 +8,7 @@ are token-identical.
 from __future__ import annotations
 
 import re
+import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -29,6 +30,17 @@ CORRECTIVE_MESSAGE = (
 )
 
 STOP_STRINGS: tuple[str, ...] = ("</search>", "</answer>")
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD/Search-R1 normalisation: lower, drop punctuation, drop articles, squash spaces.
+    Shared by the scorer's EM rewards and the SFT warm start's skill measurement."""
+    text = text.lower().translate(_PUNCTUATION)
+    text = _ARTICLES.sub(" ", text)
+    return " ".join(text.split())
 
 ACTION_PATTERN = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 

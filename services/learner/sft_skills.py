@@ -24,13 +24,17 @@ then each segment tokenised on its own), so a prefix is exactly what the policy 
 from __future__ import annotations
 
 import re
-import string
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.formats import STOP_STRINGS, cut_at_first_stop, parse_action
+from services.common.formats import (
+    STOP_STRINGS,
+    cut_at_first_stop,
+    normalize_answer,
+    parse_action,
+)
 
 SKILLS: tuple[str, ...] = ("format", "first_query", "query", "answer")
 SEARCH_OPEN = "<search>"
@@ -39,19 +43,9 @@ SEARCH_CLOSE = "</search>"
 # A turn is `<think> … </think>` then one action; no tag inside either (a tag there means the
 # policy is emitting markup, not reasoning).
 _WELL_FORMED = re.compile(r"\s*<think>[^<]*</think>\s*<(search|answer)>[^<]*</\1>\s*")
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-_PUNCTUATION = str.maketrans("", "", string.punctuation)
 
 
 # ---------------------------------------------------------------------------------- pure parts
-
-def normalize_answer(text: str) -> str:
-    """SQuAD / Search-R1 EM normalisation (the scorer's rule; services may not import each
-    other, so it is restated here and a test pins the two equal)."""
-    text = text.lower().translate(_PUNCTUATION)
-    text = _ARTICLES.sub(" ", text)
-    return " ".join(text.split())
-
 
 def is_well_formed_turn(text: str) -> bool:
     """The turn, cut at its first stop string, is a think block then one non-empty action."""

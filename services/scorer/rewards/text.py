@@ -1,4 +1,5 @@
-"""Text helpers every reward shares: answer extraction and Search-R1's answer normalisation.
+"""Text helpers every reward shares: answer extraction and Search-R1's answer normalisation
+(services/common/formats.py, shared with the learner's SFT skill measurement).
 
 Rewards receive the decoded *response* (verl's naive manager passes only the response), but
 callers that pass prompt + response (TinyZero, Search-R1's own trainer) must not be credited
@@ -8,10 +9,8 @@ for the prompt's tags (`<answer> and </answer>`, the example `<answer> Beijing <
 
 from __future__ import annotations
 
-import re
-import string
-
 from services.common.formats import SEARCH_R1_TEMPLATE
+from services.common.formats import normalize_answer as normalize_answer  # the rewards' EM rule
 
 ASSISTANT_MARKERS: tuple[str, ...] = ("<|im_start|>assistant", "Assistant:")
 # Search-R1's instruction names every tag (`<answer> and </answer>`) and shows an example
@@ -19,10 +18,6 @@ ASSISTANT_MARKERS: tuple[str, ...] = ("<|im_start|>assistant", "Assistant:")
 # without an assistant marker), and the example sentence alone (another wrapper around it).
 SEARCH_R1_INSTRUCTION = SEARCH_R1_TEMPLATE.split("{question}")[0]
 TEMPLATE_EXAMPLE = "For example, <answer> Beijing </answer>."
-
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-_PUNCTUATION = str.maketrans("", "", string.punctuation)
-
 
 def response_part(text: str) -> str:
     """The text after the last assistant marker (all of it when there is none), minus
@@ -65,13 +60,6 @@ def last_answer(text: str) -> str | None:
     if not matches:
         return None
     return matches[-1].strip()
-
-
-def normalize_answer(text: str) -> str:
-    """SQuAD/Search-R1 normalisation: lower, drop punctuation, drop articles, squash spaces."""
-    text = text.lower().translate(_PUNCTUATION)
-    text = _ARTICLES.sub(" ", text)
-    return " ".join(text.split())
 
 
 def gold_answers(ground_truth: object) -> list[str]:
