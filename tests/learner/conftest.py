@@ -49,6 +49,36 @@ def samples_factory():
     return make_samples
 
 
+@pytest.fixture()
+def sft_rows():
+    """`born_in_rows` (importlib mode cannot import conftest from a test module)."""
+    return born_in_rows
+
+
+ANSWER_TURN = "<think> {city} </think>\n<answer> {city} </answer>"
+
+
+def born_in_rows(count: int, offset: int = 0, answer_turn: str = ANSWER_TURN) -> list[dict]:
+    """SFT rows (prompt + segments) of a toy "Where was X born?" world: search the name, read the
+    city from the observation, answer with `answer_turn` (formatted with the city)."""
+    names = ["Brixol", "Tamra", "Velden", "Osric"]
+    cities = ["Corvale", "Dunmore", "Ashby", "Pellam"]
+    rows = []
+    for i in range(offset, offset + count):
+        name, city = names[i % 4], cities[(3 * i) % 4]
+        rows.append({
+            "prompt": [{"role": "user", "content": f"Where was {name} born?"}],
+            "segments": [
+                {"text": f"<think> find {name} </think>\n<search> {name} </search>",
+                 "trainable": True},
+                {"text": f"\n\n<information>Doc 1(Title: \"{name}\") {name} was born in "
+                         f"{city}.</information>\n\n", "trainable": False},
+                {"text": answer_turn.format(city=city), "trainable": True},
+            ],
+        })
+    return rows
+
+
 def make_samples(n: int = 6, seed: int = 0, vocab: int = 400, with_rl: bool = False):
     """Variable-length sequences with a prompt, policy spans and an observation span."""
     from services.learner.packing import Sample

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -17,25 +18,11 @@ import pytest
 FORAGE = Path(sys.executable).with_name("forage")
 
 
-def _write_data(path: Path, rows: int = 24) -> None:
+def _write_data(path: Path, make_rows: Callable[..., list[dict]], rows: int = 24) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    names = ["Brixol", "Tamra", "Velden", "Osric"]
-    cities = ["Corvale", "Dunmore", "Ashby", "Pellam"]
-    table = []
-    for i in range(rows):
-        name, city = names[i % 4], cities[(3 * i) % 4]
-        table.append({
-            "prompt": [{"role": "user", "content": f"Where was {name} born?"}],
-            "segments": [
-                {"text": f"<think> find {name} </think>\n<search> {name} </search>",
-                 "trainable": True},
-                {"text": f"\n\n<information>Doc 1(Title: \"{name}\") {name} was born in "
-                         f"{city}.</information>\n\n", "trainable": False},
-                {"text": f"<answer> {city} </answer><|im_end|>", "trainable": True},
-            ],
-        })
+    table = make_rows(rows, answer_turn="<answer> {city} </answer><|im_end|>")
     pq.write_table(pa.Table.from_pylist(table), str(path))
 
 
@@ -68,9 +55,9 @@ def test_encode_row_masks_segments_without_retokenizing(tiny_policy) -> None:
 
 
 @pytest.mark.slow
-def test_sft_killed_then_resumed(tiny_policy, tmp_path) -> None:
+def test_sft_killed_then_resumed(tiny_policy, tmp_path, sft_rows) -> None:
     data, cfg, run_dir = tmp_path / "sft.parquet", tmp_path / "cfg.yaml", tmp_path / "run"
-    _write_data(data)
+    _write_data(data, sft_rows)
     _config(cfg, tiny_policy, run_dir, epochs=4)  # 24 rows / 4 = 6 steps per epoch, 24 steps
     out = run_dir / "sft"
     cmd = [str(FORAGE), "learner", "sft", "--config", str(cfg), "--data", str(data)]

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,33 +18,14 @@ from services.launch.demo import warm_start_line
 FORAGE = Path(sys.executable).with_name("forage")
 
 
-def _rows(count: int, offset: int = 0) -> list[dict]:
-    names = ["Brixol", "Tamra", "Velden", "Osric"]
-    cities = ["Corvale", "Dunmore", "Ashby", "Pellam"]
-    rows = []
-    for i in range(offset, offset + count):
-        name, city = names[i % 4], cities[(3 * i) % 4]
-        rows.append({
-            "prompt": [{"role": "user", "content": f"Where was {name} born?"}],
-            "segments": [
-                {"text": f"<think> find {name} </think>\n<search> {name} </search>",
-                 "trainable": True},
-                {"text": f"\n\n<information>Doc 1(Title: \"{name}\") {name} was born in "
-                         f"{city}.</information>\n\n", "trainable": False},
-                {"text": f"<think> {city} </think>\n<answer> {city} </answer>",
-                 "trainable": True},
-            ],
-        })
-    return rows
-
-
-def _world(tmp_path: Path, policy: Path, **learner: object) -> tuple[Path, Path, Path]:
+def _world(tmp_path: Path, policy: Path, rows: Callable[..., list[dict]],
+           **learner: object) -> tuple[Path, Path, Path]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     data = tmp_path / "sft.parquet"
-    pq.write_table(pa.Table.from_pylist(_rows(16)), str(data))
-    pq.write_table(pa.Table.from_pylist(_rows(4, offset=16)),
+    pq.write_table(pa.Table.from_pylist(rows(16)), str(data))
+    pq.write_table(pa.Table.from_pylist(rows(4, offset=16)),
                    str(tmp_path / "sft_heldout.parquet"))
     run_dir = tmp_path / "run"
     settings = {"lr": 0.002, "sft_batch_size": 4, "sft_epochs": 1, "micro_batch_tokens": 256,
@@ -65,10 +47,10 @@ def _steps(out: Path) -> list[dict]:
 
 
 @pytest.mark.slow  # a real `forage learner sft` run: 30-140 s on the shared 2 cores
-def test_gate_stops_at_the_first_measurement_that_meets_the_thresholds(tiny_policy, tmp_path):
+def test_gate_stops_at_the_first_measurement_that_meets_the_thresholds(tiny_policy, tmp_path, sft_rows):
     # 16 rows / 4 = 4 steps per epoch: the gated run repeats epochs; thresholds of 0 are met at
     # the first measurement at or after min_steps (6 -> step 6, the 3rd measurement).
-    cfg, data, out = _world(tmp_path, tiny_policy, sft_until={"format": 0.0, "answer": 0.0},
+    cfg, data, out = _world(tmp_path, tiny_policy, sft_rows, sft_until={"format": 0.0, "answer": 0.0},
                             sft_eval_every=2, sft_min_steps=5, sft_max_steps=40)
     proc = _sft(cfg, data)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -97,8 +79,8 @@ def test_gate_stops_at_the_first_measurement_that_meets_the_thresholds(tiny_poli
 
 
 @pytest.mark.slow  # a real `forage learner sft` run: 30-140 s on the shared 2 cores
-def test_gate_hits_the_cap_with_one_warning_line(tiny_policy, tmp_path):
-    cfg, data, out = _world(tmp_path, tiny_policy, sft_until={"format": 1.0, "answer": 1.0},
+def test_gate_hits_the_cap_with_one_warning_line(tiny_policy, tmp_path, sft_rows):
+    cfg, data, out = _world(tmp_path, tiny_policy, sft_rows, sft_until={"format": 1.0, "answer": 1.0},
                             sft_eval_every=2, sft_max_steps=3)
     proc = _sft(cfg, data)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -116,8 +98,8 @@ def test_gate_hits_the_cap_with_one_warning_line(tiny_policy, tmp_path):
 
 
 @pytest.mark.slow  # a real `forage learner sft` run: 30-140 s on the shared 2 cores
-def test_measuring_without_a_gate_keeps_the_fixed_length(tiny_policy, tmp_path):
-    cfg, data, out = _world(tmp_path, tiny_policy, sft_eval_every=3, sft_epochs=2)
+def test_measuring_without_a_gate_keeps_the_fixed_length(tiny_policy, tmp_path, sft_rows):
+    cfg, data, out = _world(tmp_path, tiny_policy, sft_rows, sft_eval_every=3, sft_epochs=2)
     proc = _sft(cfg, data)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out / "sft_result.json").read_text())
@@ -126,8 +108,8 @@ def test_measuring_without_a_gate_keeps_the_fixed_length(tiny_policy, tmp_path):
     assert warm_start_line(result).endswith("after 8 steps (no gate)")
 
 
-def test_missing_heldout_set_is_one_line(tiny_policy, tmp_path):
-    cfg, data, _ = _world(tmp_path, tiny_policy, sft_until={"format": 0.5}, sft_eval_every=2,
+def test_missing_heldout_set_is_one_line(tiny_policy, tmp_path, sft_rows):
+    cfg, data, _ = _world(tmp_path, tiny_policy, sft_rows, sft_until={"format": 0.5}, sft_eval_every=2,
                           sft_max_steps=4)
     (tmp_path / "sft_heldout.parquet").unlink()
     proc = _sft(cfg, data)
@@ -148,8 +130,8 @@ def test_gate_settings_are_checked(learner, message, tmp_path):
         load_config(cfg)
 
 
-def test_unknown_skill_names_the_known_ones(tiny_policy, tmp_path):
-    cfg, data, _ = _world(tmp_path, tiny_policy, sft_until={"copying": 0.5}, sft_eval_every=2,
+def test_unknown_skill_names_the_known_ones(tiny_policy, tmp_path, sft_rows):
+    cfg, data, _ = _world(tmp_path, tiny_policy, sft_rows, sft_until={"copying": 0.5}, sft_eval_every=2,
                           sft_max_steps=4)
     proc = _sft(cfg, data)
     assert proc.returncode == 2, proc.stderr[-2000:]
