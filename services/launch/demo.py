@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import shutil
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.config import RunConfig, load_config
+from services.common.skill_gate import shortfall
 from services.launch.supervisor import forage_argv
 
 log = logging.getLogger("forage.launch")
@@ -86,17 +86,6 @@ def _settings_stamp(cfg: RunConfig) -> dict[str, Any]:
             "max_tokens_per_turn": cfg.rollout.max_tokens_per_turn}
 
 
-def sft_total_steps(cfg: RunConfig, rows: int) -> int:
-    """Steps the SFT phase runs at most (services/learner/sft.py sft_length): the cap
-    `learner.sft_max_steps` when gated, else the epochs' steps, capped by it when set."""
-    learner = cfg.learner
-    if learner.sft_until is not None:
-        return int(learner.sft_max_steps or 0)
-    epochs = math.ceil(min(rows, learner.sft_max_rows or rows) / learner.sft_batch_size
-                       ) * learner.sft_epochs
-    return min(epochs, learner.sft_max_steps or epochs)
-
-
 def _skills_text(skills: dict[str, Any], thresholds: dict[str, float] | None) -> str:
     names = list(thresholds) if thresholds else [
         s for s in ("format", "query", "answer") if s in skills]
@@ -115,11 +104,9 @@ def warm_start_line(result: dict[str, Any]) -> str:
         return (f"warm start: {_skills_text(skills, thresholds)} reached at step {steps} of at "
                 f"most {cap}")
     if stopped == "cap":
-        below = [f"{n} {skills[n]:.2f} < {need:.2f}" if n in skills else f"{n} not measured"
-                 for n, need in (thresholds or {}).items()
-                 if not (n in skills and skills[n] >= need)]
         return (f"warm start: WARNING: the cap of {cap} SFT steps was hit before the skill "
-                f"thresholds ({', '.join(below)}); RL starts from a weaker warm start")
+                f"thresholds ({shortfall(skills, thresholds or {})}); RL starts from a weaker "
+                "warm start")
     if skills:
         return f"warm start: {_skills_text(skills, None)} after {steps} steps (no gate)"
     return f"warm start: {steps} steps (skills not measured)"
@@ -198,7 +185,7 @@ def prepare(cfg: RunConfig, config_file: Path, overrides: list[str], out: Path,
     import pyarrow.parquet as pq
 
     rows = pq.read_metadata(str(world / "sft.parquet")).num_rows
-    total = sft_total_steps(cfg, rows)
+    total = cfg.learner.sft_step_budget(rows)
     rows = min(rows, cfg.learner.sft_max_rows or rows)
     if cfg.learner.sft_until:
         until = ", ".join(f"{n} {v:.2f}" for n, v in cfg.learner.sft_until.items())

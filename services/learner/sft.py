@@ -114,7 +114,7 @@ def heldout_path(learner: Any, data: str) -> Path:
 def check_gate_inputs(learner: Any, data: str) -> None:
     """One line for bad thresholds or a missing held-out set, before anything is loaded."""
     from services.common.config import ConfigError
-    from services.learner.sft_skills import check_thresholds
+    from services.common.skill_gate import check_thresholds
 
     if learner.sft_until is not None:
         try:
@@ -129,18 +129,6 @@ def check_gate_inputs(learner: Any, data: str) -> None:
         path = require_file(str(heldout_path(learner, data)), key,
                             "held-out demonstrations; `forage data synth` writes them")
         check_parquet_columns(path, key, SFT_COLUMNS)
-
-
-def sft_length(learner: Any, steps_per_epoch: int) -> int:
-    """Steps to run at most: the cap `sft_max_steps` when gated, else the epochs' steps
-    (capped by `sft_max_steps` when set). The LR schedule's horizon is this number, so with
-    the gate the LR at step t never depends on when the gate stops: a run stopped early and
-    one resumed saw the same schedule, and a cosine decay would reach its end only at the cap
-    (the demo's schedule is constant after the warm-up)."""
-    if learner.sft_until is not None:
-        return int(learner.sft_max_steps)
-    epochs = steps_per_epoch * learner.sft_epochs
-    return min(epochs, learner.sft_max_steps or epochs)
 
 
 def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:
@@ -176,7 +164,7 @@ def run_sft(cfg: RunConfig, data: str, out_dir: str, resume: bool = False) -> in
         samples = samples[: learner.sft_max_rows]
     per_step = learner.sft_batch_size
     steps_per_epoch = math.ceil(len(samples) / per_step)
-    total = sft_length(learner, steps_per_epoch)
+    total = learner.sft_step_budget(len(samples))
     thresholds = dict(learner.sft_until) if learner.sft_until is not None else None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     trainer = PolicyTrainer(
@@ -284,19 +272,19 @@ def _skills_of(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def _gate_open(skills: dict[str, Any], thresholds: dict[str, float], min_steps: int) -> bool:
-    from services.learner.sft_skills import reached
+    from services.common.skill_gate import reached
 
     return skills["step"] >= min_steps and reached(skills, thresholds)
 
 
 def _describe(skills: dict[str, Any], thresholds: dict[str, float] | None) -> str:
-    from services.learner.sft_skills import describe
+    from services.common.skill_gate import describe
 
     return describe({k: v for k, v in skills.items() if k != "step"}, thresholds)
 
 
 def _shortfall(skills: dict[str, Any], thresholds: dict[str, float]) -> str:
-    from services.learner.sft_skills import shortfall
+    from services.common.skill_gate import shortfall
 
     return shortfall({k: v for k, v in skills.items() if k != "step"}, thresholds)
 

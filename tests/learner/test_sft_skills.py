@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import pytest
 
+from services.common.skill_gate import describe, reached, shortfall
 from services.learner.sft_skills import (
     SkillItem,
     aggregate,
     build_items,
     continued_query,
-    describe,
     is_well_formed_turn,
     measure,
     normalize_answer,
-    reached,
     score_item,
-    shortfall,
 )
 
 PROMPT = [{"role": "user", "content": "Where was the founder of Tamra Works born?"}]

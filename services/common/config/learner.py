@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -109,6 +110,20 @@ class LearnerSection(Section):
     # `log_samples_n` decoded trajectories to RUN_DIR/samples.jsonl and the trackers.
     log_samples_every: int = Field(default=10, ge=0)
     log_samples_n: int = Field(default=4, ge=0)
+
+    def sft_step_budget(self, examples: int) -> int:
+        """SFT steps to run at most for `examples` demonstrations: the cap `sft_max_steps` when
+        gated (`sft_until`), else `sft_epochs` epochs of the first `sft_max_rows` examples in
+        batches of `sft_batch_size`, capped by `sft_max_steps` when set. One rule for the SFT
+        loop (services/learner/sft.py) and the demo's progress bar. The LR schedule's horizon
+        is this number, so with the gate the LR at step t never depends on when the gate stops:
+        a run stopped early and one resumed saw the same schedule, and a cosine decay would
+        reach its end only at the cap (the demo's schedule is constant after the warm-up)."""
+        if self.sft_until is not None:
+            return int(self.sft_max_steps or 0)
+        used = min(examples, self.sft_max_rows or examples)
+        epochs = math.ceil(used / self.sft_batch_size) * self.sft_epochs
+        return min(epochs, self.sft_max_steps or epochs)
 
     @model_validator(mode="after")
     def _one_warmup(self) -> LearnerSection:
