@@ -38,18 +38,16 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from services.common.threads import without_thread_settings  # noqa: E402
 from services.launch.report import has_probe, probe_curve, read_metrics  # noqa: E402
 
-THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_WAIT_POLICY",
-               "GOMP_SPINCOUNT", "TOKENIZERS_PARALLELISM", "RAYON_NUM_THREADS",
-               "FORAGE_THREADS", "FORAGE_CPU_SHARE", "FORAGE_THREADS_FILLED")
 README = REPO / "bench" / "README.md"
 BEGIN, END = "<!-- efficacy:begin -->", "<!-- efficacy:end -->"
 TARGET_MEDIAN, TARGET_MIN, TARGET_WALL_S = 0.15, 0.10, 15 * 60
 
 
 def clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in THREAD_VARS}
+    env = without_thread_settings(os.environ)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
     return env
 

@@ -26,17 +26,16 @@ import tempfile
 import time
 from pathlib import Path
 
+from services.common.threads import without_thread_settings
+
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 CONFIG = REPO / "configs" / "demo.yaml"
-THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_WAIT_POLICY",
-               "GOMP_SPINCOUNT", "TOKENIZERS_PARALLELISM", "RAYON_NUM_THREADS",
-               "FORAGE_THREADS", "FORAGE_CPU_SHARE", "FORAGE_THREADS_FILLED")
 WARM_UP_STEPS = 3
 
 
 def clean_env(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in THREAD_VARS}
+    env = without_thread_settings(os.environ)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.update(extra)
     return env

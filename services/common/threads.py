@@ -50,6 +50,16 @@ FILLED_VAR = "FORAGE_THREADS_FILLED"
 # (libgomp: OMP_NUM_THREADS), MKL inside torch, OpenBLAS inside numpy (its own pthreads pool).
 COUNT_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 DEFAULT_WAIT_POLICY = "PASSIVE"
+# Every environment variable that sets a thread count or how idle threads wait, this policy's
+# own included: a benchmark that runs a command "as shipped" removes them all from its caller's
+# environment so that the command's policy decides (bench/efficacy.py, sft_load.py, ...).
+THREAD_SETTINGS = (*COUNT_VARS, "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "TOKENIZERS_PARALLELISM",
+                   "RAYON_NUM_THREADS", THREADS_VAR, SHARE_VAR, FILLED_VAR)
+
+
+def without_thread_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """A copy of `environ` with none of THREAD_SETTINGS."""
+    return {k: v for k, v in environ.items() if k not in THREAD_SETTINGS}
 
 
 class ThreadSettingError(ValueError):
