@@ -15,6 +15,18 @@ is chosen by `attention_implementation`:
 Both give every sequence exactly the log-probs it gets alone (tests/learner/test_gpu_settings.py
 checks the SDPA path; the flash path has not run on a GPU in this project, docs/learner.md).
 
+Why shared prompts (SDPA path, `learner.shared_prompts`): the n samples of a GRPO group repeat
+one prompt, and on the search task the prompt is most of each sequence (task (a) of
+bench/peer_trl.py: ~190 prompt tokens, ~13 answer tokens). Computing it once per group and
+letting each response attend to that one copy gives every response token the log-prob it gets
+alone, and the same gradient (the prompt's activations are shared, so their gradient is the sum
+over the group, as it is when each copy is computed separately), for a fraction of the tokens:
+the row holds the prompt less its last token once, then per sample a branch of that last
+prompt token (its logits predict the first response token, which differs per sample) and the
+sample's response. An explicit boolean 4D mask says who attends to whom (`attention_mask`);
+position ids continue the prompt in every branch. flash-attn's varlen kernel cannot express the
+mask, so the flash path never shares.
+
 Why a plan shared by all ranks: every rank must run the same number of forward/backward passes
 per optimizer step (ZeRO gathers and reduces collectively), so the split of a global batch into
 ranks x micro-batches is computed identically on every rank from the sequence lengths alone.
@@ -240,6 +252,16 @@ class MicroBatch:
     prompt_lens: list[int]
     sample_indices: list[int]  # into the list the batch was packed from; [] for a dummy
     num_padding: int = 0  # tokens computed that belong to no sample (dummy passes only)
+    # Shared prompts (module doc): per sequence, how many of its leading tokens live in a
+    # shared prefix and where that prefix starts in the row; its other tokens start at
+    # seq_starts. Empty lists: nothing shared (every sequence is one contiguous run).
+    shared_lens: list[int] = field(default_factory=list)
+    prefix_starts: list[int] = field(default_factory=list)
+    attention_mask: torch.Tensor | None = None  # (1, 1, N, N) bool, True = may attend
+
+    @property
+    def is_shared(self) -> bool:
+        return any(self.shared_lens)
 
     @property
     def num_tokens(self) -> int:
@@ -259,13 +281,34 @@ class MicroBatch:
             self.prompt_lens,
             self.sample_indices,
             self.num_padding,
+            self.shared_lens,
+            self.prefix_starts,
+            None if self.attention_mask is None
+            else self.attention_mask.to(device, non_blocking=True),
         )
+
+    def _shared(self, row: int) -> int:
+        return self.shared_lens[row] if self.shared_lens else 0
+
+    def sample_values(self, flat: torch.Tensor, row: int) -> torch.Tensor:
+        """The (n,) per-token values of the row-th packed sequence, in its own token order,
+        from (1, N) values over the row (its shared prefix, then its own tokens)."""
+        shared = self._shared(row)
+        start, n = self.seq_starts[row], self.seq_lens[row]
+        own = flat[0, start : start + n - shared]
+        if not shared:
+            return own
+        prefix = self.prefix_starts[row]
+        return torch.cat([flat[0, prefix : prefix + shared], own])
 
     def varlen_kwargs(self) -> dict[str, torch.Tensor | int]:
         """Sequence boundaries for flash-attn's varlen kernel: cumulative lengths (int32, on the
         batch's device) and the longest sequence, under the names transformers' flash path
         reads (`cu_seq_lens_q/k`, `max_length_q/k`). Given these, transformers does not have
         to infer the boundaries from `position_ids` in every layer."""
+        if self.is_shared:
+            raise ValueError("a row with shared prompts has no varlen boundaries: pack without "
+                             "share_prompts for flash-attn")
         bounds = [0]
         for n in self.seq_lens:
             bounds.append(bounds[-1] + n)
@@ -287,12 +330,70 @@ class MicroBatch:
             zip(self.seq_starts, self.seq_lens, self.prompt_lens, strict=True)
         ):
             k = min(n - p, width)
-            out[row, :k] = flat[0, start + p : start + p + k]
+            first = start + p - self._shared(row)  # responses are never in a shared prefix
+            out[row, :k] = flat[0, first : first + k]
         return out
 
 
-def pack(samples: Sequence[Sample], indices: Sequence[int], pad_token_id: int = 0) -> MicroBatch:
-    """Concatenate `samples[indices]` into one row; an empty index list gives a 1-token dummy."""
+def prompt_key(sample: Sample) -> bytes | None:
+    """What a sample may share with others (module doc): its prompt's tokens, when the prompt
+    has at least two tokens and carries no loss; None when it has nothing to share."""
+    p = sample.prompt_len
+    if p < 2 or p >= len(sample) or sample.loss_mask[:p].any():
+        return None
+    return sample.input_ids[:p].tobytes()
+
+
+def shared_layout_tokens(lengths: Sequence[int], prompt_len: int) -> int:
+    """Tokens of one group of sequences (`lengths`) with one prompt in the shared layout: the
+    prompt less its last token once, then each sequence's own tokens from that last token on."""
+    if len(lengths) < 2:
+        return sum(lengths)
+    return (prompt_len - 1) + sum(n - prompt_len + 1 for n in lengths)
+
+
+def prompt_units(
+    samples: Sequence[Sample], indices: Sequence[int], max_tokens: int
+) -> list[list[int]]:
+    """`indices` grouped by identical prompt (in order of first appearance), for planning rows
+    in which each group's prompt is computed once. A group whose shared layout would pass
+    `max_tokens` is cut into consecutive units that fit (each repeats the prompt); samples that
+    share nothing are units of one."""
+    groups: dict[bytes | int, list[int]] = {}
+    for index in indices:
+        key = prompt_key(samples[index])
+        groups.setdefault(index if key is None else key, []).append(index)
+    units: list[list[int]] = []
+    for members in groups.values():
+        prompt_len = samples[members[0]].prompt_len
+        unit: list[int] = []
+        for index in members:
+            lengths = [len(samples[i]) for i in unit + [index]]
+            if unit and shared_layout_tokens(lengths, prompt_len) > max_tokens:
+                units.append(unit)
+                unit = []
+            unit.append(index)
+        units.append(unit)
+    return units
+
+
+def unit_tokens(samples: Sequence[Sample], unit: Sequence[int]) -> int:
+    """Tokens `unit` (one of prompt_units) takes in a row."""
+    return shared_layout_tokens([len(samples[i]) for i in unit], samples[unit[0]].prompt_len)
+
+
+def pack(
+    samples: Sequence[Sample],
+    indices: Sequence[int],
+    pad_token_id: int = 0,
+    share_prompts: bool = False,
+) -> MicroBatch:
+    """Concatenate `samples[indices]` into one row; an empty index list gives a 1-token dummy.
+
+    With `share_prompts`, samples with the same prompt (prompt_key) are laid out with that
+    prompt computed once and an explicit attention mask (module doc); the row's sequences are
+    then in group order (`sample_indices` says which is which).
+    """
     if not indices:
         zero = torch.zeros(1, 1)
         names = {name for s in samples for name in s.fields}
@@ -307,6 +408,17 @@ def pack(samples: Sequence[Sample], indices: Sequence[int], pad_token_id: int = 
             [],
             num_padding=1,
         )
+    groups: dict[bytes | int, list[int]] = {}
+    for index in indices:
+        key = prompt_key(samples[index]) if share_prompts else None
+        groups.setdefault(index if key is None else key, []).append(index)
+    if all(len(members) == 1 for members in groups.values()):
+        return _pack_contiguous(samples, indices)
+    return _pack_shared(samples, list(groups.values()))
+
+
+def _pack_contiguous(samples: Sequence[Sample], indices: Sequence[int]) -> MicroBatch:
+    """Each sequence one contiguous run; position-id restarts keep them apart."""
     chosen = [samples[i] for i in indices]
     ids = np.concatenate([s.input_ids for s in chosen])
     mask = np.concatenate([s.loss_mask for s in chosen])
@@ -328,6 +440,66 @@ def pack(samples: Sequence[Sample], indices: Sequence[int], pad_token_id: int = 
         [len(s) for s in chosen],
         [s.prompt_len for s in chosen],
         list(indices),
+    )
+
+
+def _pack_shared(samples: Sequence[Sample], groups: list[list[int]]) -> MicroBatch:
+    """Groups of one prompt: the prompt less its last token once, then one branch per sample
+    (that last token and the rest of the sample); groups of one stay contiguous."""
+    names = sorted({name for g in groups for i in g for name in samples[i].fields})
+    pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]] = []
+    # Attention blocks: (rows start, rows len, columns of a prefix it also sees or None).
+    blocks: list[tuple[int, int, tuple[int, int] | None]] = []
+    order: list[int] = []
+    starts: list[int] = []
+    shared_lens: list[int] = []
+    prefix_starts: list[int] = []
+    offset = 0
+
+    def add(sample: Sample, lo: int, hi: int) -> None:
+        nonlocal offset
+        piece_fields = {n: sample.fields.get(n, np.zeros(len(sample), np.float32))[lo:hi]
+                        for n in names}
+        pieces.append((sample.input_ids[lo:hi], np.arange(lo, hi, dtype=np.int64),
+                       sample.loss_mask[lo:hi], piece_fields))
+        offset += hi - lo
+
+    for members in groups:
+        first = samples[members[0]]
+        shared = first.prompt_len - 1 if len(members) > 1 else 0
+        prefix_start = offset
+        if shared:
+            add(first, 0, shared)  # no loss token among them (prompt_key)
+            blocks.append((prefix_start, shared, None))
+        for index in members:
+            sample = samples[index]
+            order.append(index)
+            starts.append(offset)
+            shared_lens.append(shared)
+            prefix_starts.append(prefix_start)
+            blocks.append((offset, len(sample) - shared,
+                           (prefix_start, shared) if shared else None))
+            add(sample, shared, len(sample))
+    total = offset
+    attention = torch.zeros(total, total, dtype=torch.bool)
+    for row_start, n, prefix in blocks:
+        attention[row_start : row_start + n, row_start : row_start + n] = torch.ones(
+            n, n, dtype=torch.bool).tril_()
+        if prefix is not None:
+            attention[row_start : row_start + n, prefix[0] : prefix[0] + prefix[1]] = True
+    return MicroBatch(
+        torch.from_numpy(np.concatenate([p[0] for p in pieces])).unsqueeze(0),
+        torch.from_numpy(np.concatenate([p[1] for p in pieces])).unsqueeze(0),
+        torch.from_numpy(np.concatenate([p[2] for p in pieces])).unsqueeze(0),
+        {n: torch.from_numpy(np.concatenate([p[3][n] for p in pieces])).unsqueeze(0)
+         for n in names},
+        starts,
+        [len(samples[i]) for i in order],
+        [samples[i].prompt_len for i in order],
+        order,
+        shared_lens=shared_lens,
+        prefix_starts=prefix_starts,
+        attention_mask=attention[None, None],
     )
 
 

@@ -33,7 +33,9 @@ from services.learner.packing import (
     flash_attn_installed,
     pack,
     plan_micro_batches,
+    prompt_units,
     split_mini_batches,
+    unit_tokens,
 )
 
 log = logging.getLogger("forage.learner.trainer")
@@ -108,9 +110,13 @@ class PolicyTrainer:
         self.attn_implementation = attention_implementation(
             self.device.type, self.dtype, self.device.type == "cuda" and flash_attn_installed()
         )
-        log.info("policy in %s, attention %s, gradient checkpointing %s",
+        # One copy of each group's prompt per row (packing.py); flash-attn's varlen kernel
+        # cannot take the mask that needs, so the flash path never shares.
+        self.share_prompts = cfg.shared_prompts and self.attn_implementation != FLASH_ATTENTION
+        log.info("policy in %s, attention %s, gradient checkpointing %s, shared prompts %s",
                  str(self.dtype).removeprefix("torch."), self.attn_implementation,
-                 "on" if gradient_checkpointing else "off")
+                 "on" if gradient_checkpointing else "off",
+                 "on" if self.share_prompts else "off")
         policy = load_causal_lm(model_path, self.device, self.dtype, self.attn_implementation,
                                 gradient_checkpointing)
         ratio = critic_ratio = None  # SFT and direct use: cfg.warmup_steps
@@ -150,9 +156,20 @@ class PolicyTrainer:
     # ------------------------------------------------------------------ shared machinery
 
     def _plan(self, samples: Sequence[Sample], indices: Sequence[int]) -> list[list[int]]:
-        lengths = [len(samples[i]) for i in indices]
-        plan = plan_micro_batches(lengths, self.world_size, self.cfg.micro_batch_tokens)
-        return [[indices[j] for j in micro] for micro in plan[self.rank]]
+        """This rank's micro-batches: bins of at most micro_batch_tokens computed tokens,
+        the same plan on every rank. With shared prompts a bin holds whole prompt groups
+        (packing.prompt_units), so each group's prompt is computed once."""
+        budget = self.cfg.micro_batch_tokens
+        if self.share_prompts:
+            units = prompt_units(samples, indices, budget)
+        else:
+            units = [[i] for i in indices]
+        lengths = [unit_tokens(samples, unit) for unit in units]
+        plan = plan_micro_batches(lengths, self.world_size, budget)
+        return [[i for j in micro for i in units[j]] for micro in plan[self.rank]]
+
+    def _pack(self, samples: Sequence[Sample], micro: Sequence[int]) -> MicroBatch:
+        return pack(samples, micro, self.pad_token_id, self.share_prompts).to(self.device)
 
     def _gather_field(
         self,
@@ -178,13 +195,14 @@ class PolicyTrainer:
         buffers = {name: torch.zeros(int(offsets[-1]), dtype=torch.float32, device=self.device)
                    for name in names}
         for micro in self._plan(samples, list(range(len(samples)))):
-            mb = pack(samples, micro, self.pad_token_id).to(self.device)
+            mb = self._pack(samples, micro)
             outputs = compute(mb)
             for name, buffer in buffers.items():
                 values = outputs[name]
-                for index, start, n in zip(mb.sample_indices, mb.seq_starts, mb.seq_lens,
-                                           strict=False):
-                    buffer[offsets[index] : offsets[index] + n] = values[0, start : start + n].float()
+                for row, index in enumerate(mb.sample_indices):
+                    n = mb.seq_lens[row]
+                    buffer[offsets[index] : offsets[index] + n] = \
+                        mb.sample_values(values, row).float()
         for name, buffer in buffers.items():
             D.all_reduce_sum(buffer)
             host = buffer.cpu().numpy()
@@ -234,9 +252,14 @@ class PolicyTrainer:
         self._gather_field(samples, "values", compute)
 
     def _forward(self, model: Any, mb: MicroBatch) -> Any:
-        """One forward over a packed row: no attention mask, position ids restarting per
-        sequence, no KV cache; on the flash path also the sequence boundaries (packing.py)."""
-        extra = mb.varlen_kwargs() if self.attn_implementation == FLASH_ATTENTION else {}
+        """One forward over a packed row, no KV cache: position ids restarting per sequence
+        and no mask, or the shared-prompt mask; on the flash path also the sequence boundaries
+        (packing.py)."""
+        extra: dict[str, Any] = {}
+        if self.attn_implementation == FLASH_ATTENTION:
+            extra = mb.varlen_kwargs()
+        elif mb.attention_mask is not None:
+            extra = {"attention_mask": mb.attention_mask}
         return model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
                      **extra)
 
@@ -277,7 +300,7 @@ class PolicyTrainer:
         computed = padding = 0
         plan = self._plan(samples, indices)
         for k, micro in enumerate(plan):
-            mb = pack(samples, micro, self.pad_token_id).to(self.device)
+            mb = self._pack(samples, micro)
             computed += mb.num_tokens
             padding += mb.num_padding
             out = model_out(mb)
@@ -342,7 +365,7 @@ class PolicyTrainer:
         for micro in self._plan(samples, list(range(len(samples)))):
             if not micro:
                 continue
-            mb = pack(samples, micro, self.pad_token_id).to(self.device)
+            mb = self._pack(samples, micro)
             logp = token_logprobs(self._policy_out(mb), mb.input_ids, 1.0)
             total += -(logp * mb.loss_mask).sum().double()
         D.all_reduce_sum(total)

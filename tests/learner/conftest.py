@@ -50,6 +50,12 @@ def samples_factory():
 
 
 @pytest.fixture()
+def group_samples_factory():
+    """`make_group_samples` (importlib mode cannot import conftest from a test module)."""
+    return make_group_samples
+
+
+@pytest.fixture()
 def sft_rows():
     """`born_in_rows` (importlib mode cannot import conftest from a test module)."""
     return born_in_rows
@@ -97,4 +103,30 @@ def make_samples(n: int = 6, seed: int = 0, vocab: int = 400, with_rl: bool = Fa
             resp = length - 8
             sample.set_response_field("advantages", np.full(resp, 1.0 if i % 2 else -1.0))
         samples.append(sample)
+    return samples
+
+
+def make_group_samples(groups: int = 3, per_group: int = 4, seed: int = 0, vocab: int = 400,
+                       with_rl: bool = False, lone: int = 1):
+    """GRPO-shaped samples: `groups` prompts of 20-40 tokens, each repeated by `per_group`
+    samples with their own responses (an observation span inside), then `lone` samples with a
+    prompt of their own."""
+    from services.learner.packing import Sample
+
+    rng = np.random.default_rng(seed)
+    samples = []
+    shapes = [(g, per_group) for g in range(groups)] + [(groups + k, 1) for k in range(lone)]
+    for group, count in shapes:
+        prompt = rng.integers(5, vocab, int(rng.integers(20, 40)))
+        for member in range(count):
+            response = rng.integers(5, vocab, int(rng.integers(6, 30)))
+            ids = np.concatenate([prompt, response])
+            mask = np.concatenate([np.zeros(len(prompt)), np.ones(len(response))])
+            if len(response) > 12:
+                mask[len(prompt) + 4 : len(prompt) + 8] = 0  # an observation
+            sample = Sample(ids, mask, prompt_len=len(prompt), uid=f"g{group}")
+            if with_rl:
+                sample.set_response_field(
+                    "advantages", np.full(len(response), 1.0 if member % 2 else -0.5))
+            samples.append(sample)
     return samples

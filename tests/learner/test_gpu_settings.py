@@ -183,6 +183,41 @@ def test_sdpa_packed_loss_and_gradient_equal_one_sequence_at_a_time(
         assert torch.allclose(packed_grads[name], grad, rtol=1e-4, atol=1e-6), name
 
 
+def test_shared_prompts_give_the_loss_and_gradient_of_one_sequence_at_a_time(
+    tiny_policy, group_samples_factory
+) -> None:
+    """RL loss over GRPO groups packed with each prompt once equals the loss of each sample
+    alone, and so does the gradient; the shared rows compute fewer tokens."""
+    trainer = PolicyTrainer(str(tiny_policy), _cfg(micro_batch_tokens=4096))
+    assert trainer.share_prompts
+    module = trainer.policy.module
+    samples = group_samples_factory(groups=2, per_group=4, lone=1, with_rl=True)
+    indices = list(range(len(samples)))
+    tokens, seqs = trainer._counts(samples, indices)
+
+    def loss_and_grads(groups: list[list[int]], share: bool):
+        module.zero_grad(set_to_none=True)
+        total, computed = 0.0, 0
+        for micro in groups:
+            mb = pack(samples, micro, share_prompts=share)
+            computed += mb.num_tokens
+            loss, _ = trainer.rl_loss(mb, trainer._forward(module, mb).logits, tokens, seqs)
+            loss.backward()
+            total += float(loss.detach())
+        return total, computed, {n: p.grad.detach().clone() for n, p in module.named_parameters()}
+
+    shared_loss, shared_tokens, shared_grads = loss_and_grads(trainer._plan(samples, indices),
+                                                              True)
+    alone_loss, alone_tokens, alone_grads = loss_and_grads([[i] for i in indices], False)
+    assert shared_loss == pytest.approx(alone_loss, rel=1e-5)
+    for name, grad in alone_grads.items():
+        assert torch.allclose(shared_grads[name], grad, rtol=1e-4, atol=1e-6), name
+    assert shared_tokens < 0.7 * alone_tokens
+    # The trainer's own step reports the smaller count, and the flash path never shares.
+    assert trainer.rl_step(samples)["tokens_computed"] == shared_tokens
+    assert not PolicyTrainer(str(tiny_policy), _cfg(shared_prompts=False)).share_prompts
+
+
 # ------------------------------------------------------------------ ZeRO-3 weight export
 
 

@@ -11,10 +11,13 @@ from services.learner.packing import (
     pack,
     padding_fraction_padded,
     plan_micro_batches,
+    prompt_key,
+    prompt_units,
     response_tensors,
     sample_from_trajectory,
     set_response_matrix,
     split_mini_batches,
+    unit_tokens,
 )
 
 
@@ -102,3 +105,81 @@ def test_packed_logprobs_equal_one_by_one(tiny_policy, samples_factory) -> None:
             alone = token_logprobs(forward_logits(model, one), one.input_ids)
             n = len(sample)
             assert torch.allclose(packed[0, start + 1 : start + n], alone[0, 1:], atol=1e-5)
+
+
+# ------------------------------------------------------------------------ shared prompts
+
+
+def test_prompt_units_group_identical_prompts_and_fit_the_budget(group_samples_factory) -> None:
+    samples = group_samples_factory(groups=2, per_group=4, lone=2)
+    units = prompt_units(samples, list(range(len(samples))), max_tokens=10_000)
+    assert units == [[0, 1, 2, 3], [4, 5, 6, 7], [8], [9]]
+    prompt = samples[0].prompt_len
+    assert unit_tokens(samples, units[0]) == (prompt - 1) + sum(
+        len(samples[i]) - prompt + 1 for i in units[0])
+    assert unit_tokens(samples, [8]) == len(samples[8])
+    # A budget that holds the prompt and two responses cuts the group in pairs.
+    two = unit_tokens(samples, [0, 1])
+    cut = prompt_units(samples, [0, 1, 2, 3], max_tokens=max(two, unit_tokens(samples, [2, 3])))
+    assert cut == [[0, 1], [2, 3]]
+    # A prompt of one token, or one that carries loss, is not shared.
+    head = samples[0]
+    assert prompt_key(type(head)(head.input_ids, head.loss_mask, prompt_len=1)) is None
+    lossy = head.loss_mask.copy()
+    lossy[3] = 1.0
+    assert prompt_key(type(head)(head.input_ids, lossy, prompt_len=head.prompt_len)) is None
+
+
+def test_shared_pack_lays_out_each_prompt_once(group_samples_factory) -> None:
+    samples = group_samples_factory(groups=1, per_group=3, lone=1, with_rl=True)
+    mb = pack(samples, [3, 0, 1, 2], share_prompts=True)
+    prompt = samples[0].prompt_len
+    assert mb.sample_indices == [3, 0, 1, 2]  # groups in order of first appearance
+    assert mb.shared_lens == [0, prompt - 1, prompt - 1, prompt - 1]
+    assert mb.num_tokens == len(samples[3]) + unit_tokens(samples, [0, 1, 2])
+    mask = mb.attention_mask[0, 0]
+    for row, index in enumerate(mb.sample_indices):
+        # Every sequence reads back exactly its tokens, loss mask and fields.
+        assert np.array_equal(mb.sample_values(mb.input_ids, row).numpy(), samples[index].input_ids)
+        assert np.array_equal(mb.sample_values(mb.loss_mask, row).numpy(), samples[index].loss_mask)
+        assert np.array_equal(mb.sample_values(mb.fields["advantages"], row).numpy(),
+                              samples[index].fields["advantages"])
+        positions = mb.sample_values(mb.position_ids, row).numpy()
+        assert np.array_equal(positions, np.arange(len(samples[index])))
+    # Branches see the prompt and themselves, never each other or the lone sample.
+    b0, b1 = mb.seq_starts[1], mb.seq_starts[2]
+    prefix = mb.prefix_starts[1]
+    assert mask[b0, prefix : prefix + prompt - 1].all()
+    assert not mask[b1, b0 : b0 + 2].any()
+    assert not mask[b0, : len(samples[3])].any()
+    assert mask[b0 + 2, b0 : b0 + 3].all() and not mask[b0 + 2, b0 + 3]
+    # The response matrix reads responses from the branches.
+    adv = mb.response_matrix(mb.fields["advantages"])
+    for row, index in enumerate(mb.sample_indices):
+        resp = samples[index].response_field("advantages")
+        assert np.array_equal(adv[row, : len(resp)].numpy(), resp)
+    # Without share_prompts the same indices pack contiguously, as before.
+    plain = pack(samples, [3, 0, 1, 2])
+    assert plain.attention_mask is None and not plain.is_shared
+    assert plain.num_tokens == sum(len(s) for s in samples)
+
+
+def test_shared_prompt_logprobs_equal_one_by_one(tiny_policy, group_samples_factory) -> None:
+    """The shared layout changes no log-prob of any token that can carry loss."""
+    from transformers import AutoModelForCausalLM
+
+    from services.learner.logprobs import forward_logits, token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_policy), attn_implementation="sdpa")
+    model.eval()
+    samples = group_samples_factory(groups=2, per_group=3, lone=1)
+    with torch.no_grad():
+        mb = pack(samples, list(range(len(samples))), share_prompts=True)
+        assert mb.is_shared
+        shared = token_logprobs(forward_logits(model, mb), mb.input_ids)
+        for row, index in enumerate(mb.sample_indices):
+            one = pack(samples, [index])
+            alone = token_logprobs(forward_logits(model, one), one.input_ids)[0]
+            got = mb.sample_values(shared, row)
+            p = samples[index].prompt_len
+            assert torch.allclose(got[p:], alone[p:], atol=1e-5), index

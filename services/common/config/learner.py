@@ -36,6 +36,10 @@ class LearnerSection(Section):
     # Token budget of one packed micro-batch: sequences are concatenated into one row (position
     # ids restart per sequence) up to this many tokens, so no compute is spent on padding.
     micro_batch_tokens: int = Field(default=4096, ge=1)
+    # Compute each prompt once per row for the samples that repeat it (a GRPO group): the same
+    # log-probs and gradients for a fraction of the tokens (packing.py "shared prompts"). Off
+    # by itself on the flash-attn path, whose varlen kernel cannot take the mask it needs.
+    shared_prompts: bool = True
     # Sequences per optimizer step inside one RL batch (0: the whole batch is one mini-batch),
     # and passes over the batch (PPO epochs).
     mini_batch_size: int = Field(default=0, ge=0)
