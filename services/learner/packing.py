@@ -15,17 +15,20 @@ is chosen by `attention_implementation`:
 Both give every sequence exactly the log-probs it gets alone (tests/learner/test_gpu_settings.py
 checks the SDPA path; the flash path has not run on a GPU in this project, docs/learner.md).
 
-Why shared prompts (SDPA path, `learner.shared_prompts`): the n samples of a GRPO group repeat
-one prompt, and on the search task the prompt is most of each sequence (task (a) of
-bench/peer_trl.py: ~190 prompt tokens, ~13 answer tokens). Computing it once per group and
-letting each response attend to that one copy gives every response token the log-prob it gets
-alone, and the same gradient (the prompt's activations are shared, so their gradient is the sum
-over the group, as it is when each copy is computed separately), for a fraction of the tokens:
-the row holds the prompt less its last token once, then per sample a branch of that last
-prompt token (its logits predict the first response token, which differs per sample) and the
-sample's response. An explicit boolean 4D mask says who attends to whom (`attention_mask`);
-position ids continue the prompt in every branch. flash-attn's varlen kernel cannot express the
-mask, so the flash path never shares.
+Why shared prefixes (SDPA path, `learner.shared_prompts`): the n samples of a GRPO group repeat
+one prompt, and every prompt of a task starts with the same instruction; on the search tasks
+that is most of each sequence (task (a) of bench/peer_trl.py: ~190 prompt tokens, ~13 answer
+tokens; the demo's SFT rows: 112 instruction tokens common to all, ~178 in all). A row computes
+each shared prefix once, as a tree: the prefix common to the row's sequences, then per distinct
+continuation the prefix common to those, down to each sequence's own tokens (a branch), and
+each segment attends to the segments above it and causally to itself. Every token that can
+carry loss gets the log-prob it gets alone, and the gradient is the same (a shared prefix's
+activations feed every branch below it, so their gradient is the sum over those branches, as
+it is when each copy is computed separately), for a fraction of the tokens. Only tokens whose
+logits no loss reads are shared: a sequence's prompt less its last token (that token's logits
+predict the first response token, which differs per sample). An explicit boolean 4D mask says
+who attends to whom (`attention_mask`); position ids are each token's index in its sequence.
+flash-attn's varlen kernel cannot express the mask, so the flash path never shares.
 
 Why a plan shared by all ranks: every rank must run the same number of forward/backward passes
 per optimizer step (ZeRO gathers and reduces collectively), so the split of a global batch into
@@ -252,11 +255,11 @@ class MicroBatch:
     prompt_lens: list[int]
     sample_indices: list[int]  # into the list the batch was packed from; [] for a dummy
     num_padding: int = 0  # tokens computed that belong to no sample (dummy passes only)
-    # Shared prompts (module doc): per sequence, how many of its leading tokens live in a
-    # shared prefix and where that prefix starts in the row; its other tokens start at
-    # seq_starts. Empty lists: nothing shared (every sequence is one contiguous run).
+    # Shared prefixes (module doc): per sequence, how many of its leading tokens live in
+    # shared segments, and those segments' (start, length) in the row in token order; its own
+    # tokens start at seq_starts. Empty lists: nothing shared (each sequence one contiguous run).
     shared_lens: list[int] = field(default_factory=list)
-    prefix_starts: list[int] = field(default_factory=list)
+    prefix_runs: list[list[tuple[int, int]]] = field(default_factory=list)
     attention_mask: torch.Tensor | None = None  # (1, 1, N, N) bool, True = may attend
 
     @property
@@ -282,7 +285,7 @@ class MicroBatch:
             self.sample_indices,
             self.num_padding,
             self.shared_lens,
-            self.prefix_starts,
+            self.prefix_runs,
             None if self.attention_mask is None
             else self.attention_mask.to(device, non_blocking=True),
         )
@@ -298,8 +301,8 @@ class MicroBatch:
         own = flat[0, start : start + n - shared]
         if not shared:
             return own
-        prefix = self.prefix_starts[row]
-        return torch.cat([flat[0, prefix : prefix + shared], own])
+        runs = [flat[0, begin : begin + length] for begin, length in self.prefix_runs[row]]
+        return torch.cat([*runs, own])
 
     def varlen_kwargs(self) -> dict[str, torch.Tensor | int]:
         """Sequence boundaries for flash-attn's varlen kernel: cumulative lengths (int32, on the
@@ -335,9 +338,19 @@ class MicroBatch:
         return out
 
 
+def shareable_len(sample: Sample) -> int:
+    """How many leading tokens of `sample` a row may share with other sequences: those whose
+    logits no loss reads, i.e. the prompt less its last token (module doc), and never past a
+    token that carries loss."""
+    trained = np.flatnonzero(sample.loss_mask)
+    limit = sample.prompt_len if len(trained) == 0 else min(sample.prompt_len, int(trained[0]))
+    return max(limit - 1, 0)
+
+
 def prompt_key(sample: Sample) -> bytes | None:
-    """What a sample may share with others (module doc): its prompt's tokens, when the prompt
-    has at least two tokens and carries no loss; None when it has nothing to share."""
+    """The prompt a sample repeats with its GRPO group, for planning (prompt_units): its
+    prompt's tokens, when the prompt has at least two tokens and carries no loss; None when it
+    has nothing to share."""
     p = sample.prompt_len
     if p < 2 or p >= len(sample) or sample.loss_mask[:p].any():
         return None
@@ -358,7 +371,7 @@ def prompt_units(
     """`indices` grouped by identical prompt (in order of first appearance), for planning rows
     in which each group's prompt is computed once. A group whose shared layout would pass
     `max_tokens` is cut into consecutive units that fit (each repeats the prompt); samples that
-    share nothing are units of one."""
+    share no prompt are units of one."""
     groups: dict[bytes | int, list[int]] = {}
     for index in indices:
         key = prompt_key(samples[index])
@@ -378,8 +391,40 @@ def prompt_units(
 
 
 def unit_tokens(samples: Sequence[Sample], unit: Sequence[int]) -> int:
-    """Tokens `unit` (one of prompt_units) takes in a row."""
+    """Tokens `unit` (one of prompt_units) takes in a row of its own."""
     return shared_layout_tokens([len(samples[i]) for i in unit], samples[unit[0]].prompt_len)
+
+
+def common_prefix_len(samples: Sequence[Sample], indices: Sequence[int]) -> int:
+    """The shareable prefix common to all of `samples[indices]` (e.g. a task's instruction):
+    a row of any of them computes it once, which the planner counts (plan_shared_rows)."""
+    if len(indices) < 2:
+        return 0
+    cap = min(shareable_len(samples[i]) for i in indices)
+    if cap == 0:
+        return 0
+    block = np.stack([samples[i].input_ids[:cap] for i in indices])
+    differs = np.flatnonzero((block != block[0]).any(axis=0))
+    return int(differs[0]) if len(differs) else cap
+
+
+def plan_shared_rows(
+    samples: Sequence[Sample], indices: Sequence[int], world_size: int, max_tokens: int
+) -> list[list[list[int]]]:
+    """plan_micro_batches for rows that share prefixes: whole prompt groups per row
+    (prompt_units), each costed at its tokens beyond the prefix common to the whole batch
+    (that prefix is paid once per row), so a row's computed tokens stay within `max_tokens`
+    (fewer where its sequences share more). Returns plan[rank][micro] = sample indices."""
+    units = prompt_units(samples, indices, max_tokens)
+    common = common_prefix_len(samples, indices)
+    costs = [unit_tokens(samples, unit) for unit in units]
+    if common and common < max_tokens:
+        costs = [max(cost - common, 1) for cost in costs]
+        budget = max_tokens - common
+    else:
+        budget = max_tokens
+    plan = plan_micro_batches(costs, world_size, budget)
+    return [[[i for j in micro for i in units[j]] for micro in rank] for rank in plan]
 
 
 def pack(
@@ -390,9 +435,9 @@ def pack(
 ) -> MicroBatch:
     """Concatenate `samples[indices]` into one row; an empty index list gives a 1-token dummy.
 
-    With `share_prompts`, samples with the same prompt (prompt_key) are laid out with that
-    prompt computed once and an explicit attention mask (module doc); the row's sequences are
-    then in group order (`sample_indices` says which is which).
+    With `share_prompts`, prefixes the sequences have in common are computed once, as a tree
+    with an explicit attention mask (module doc); the row's sequences are then in tree order
+    (`sample_indices` says which is which). Without a common prefix the row is the plain one.
     """
     if not indices:
         zero = torch.zeros(1, 1)
@@ -408,13 +453,12 @@ def pack(
             [],
             num_padding=1,
         )
-    groups: dict[bytes | int, list[int]] = {}
-    for index in indices:
-        key = prompt_key(samples[index]) if share_prompts else None
-        groups.setdefault(index if key is None else key, []).append(index)
-    if all(len(members) == 1 for members in groups.values()):
-        return _pack_contiguous(samples, indices)
-    return _pack_shared(samples, list(groups.values()))
+    if share_prompts and len(indices) > 1:
+        layout = _PrefixTree(samples)
+        layout.place(list(indices), 0, [])
+        if any(layout.shared_lens):
+            return layout.micro_batch()
+    return _pack_contiguous(samples, indices)
 
 
 def _pack_contiguous(samples: Sequence[Sample], indices: Sequence[int]) -> MicroBatch:
@@ -443,64 +487,87 @@ def _pack_contiguous(samples: Sequence[Sample], indices: Sequence[int]) -> Micro
     )
 
 
-def _pack_shared(samples: Sequence[Sample], groups: list[list[int]]) -> MicroBatch:
-    """Groups of one prompt: the prompt less its last token once, then one branch per sample
-    (that last token and the rest of the sample); groups of one stay contiguous."""
-    names = sorted({name for g in groups for i in g for name in samples[i].fields})
-    pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]] = []
-    # Attention blocks: (rows start, rows len, columns of a prefix it also sees or None).
-    blocks: list[tuple[int, int, tuple[int, int] | None]] = []
-    order: list[int] = []
-    starts: list[int] = []
-    shared_lens: list[int] = []
-    prefix_starts: list[int] = []
-    offset = 0
+class _PrefixTree:
+    """A row with shared prefixes laid out as a tree (module doc): `place` writes the prefix
+    common to a set of sequences once, splits them by the token that follows, and recurses; a
+    sequence alone in its subtree gets its remaining tokens as a branch."""
 
-    def add(sample: Sample, lo: int, hi: int) -> None:
-        nonlocal offset
-        piece_fields = {n: sample.fields.get(n, np.zeros(len(sample), np.float32))[lo:hi]
-                        for n in names}
-        pieces.append((sample.input_ids[lo:hi], np.arange(lo, hi, dtype=np.int64),
-                       sample.loss_mask[lo:hi], piece_fields))
-        offset += hi - lo
+    def __init__(self, samples: Sequence[Sample]) -> None:
+        self.samples = samples
+        self.names = sorted({name for s in samples for name in s.fields})
+        self.pieces: list[tuple[Sample, int, int]] = []  # (sample, lo, hi) in row order
+        # Attention: (rows start, rows length, ancestor segments it sees in full).
+        self.blocks: list[tuple[int, int, list[tuple[int, int]]]] = []
+        self.offset = 0
+        self.order: list[int] = []
+        self.starts: list[int] = []
+        self.shared_lens: list[int] = []
+        self.prefix_runs: list[list[tuple[int, int]]] = []
 
-    for members in groups:
-        first = samples[members[0]]
-        shared = first.prompt_len - 1 if len(members) > 1 else 0
-        prefix_start = offset
-        if shared:
-            add(first, 0, shared)  # no loss token among them (prompt_key)
-            blocks.append((prefix_start, shared, None))
+    def _segment(self, sample: Sample, lo: int, hi: int, above: list[tuple[int, int]]) -> int:
+        start = self.offset
+        self.pieces.append((sample, lo, hi))
+        self.blocks.append((start, hi - lo, above))
+        self.offset += hi - lo
+        return start
+
+    def _branch(self, index: int, depth: int, above: list[tuple[int, int]]) -> None:
+        sample = self.samples[index]
+        self.order.append(index)
+        self.shared_lens.append(depth)
+        self.prefix_runs.append(list(above))
+        self.starts.append(self._segment(sample, depth, len(sample), above))
+
+    def place(self, members: list[int], depth: int, above: list[tuple[int, int]]) -> None:
+        """Lay out `members`, whose tokens [0, depth) are already in the segments `above`."""
+        if len(members) == 1:
+            self._branch(members[0], depth, above)
+            return
+        cap = min(shareable_len(self.samples[i]) for i in members)
+        end = depth
+        if cap > depth:
+            block = np.stack([self.samples[i].input_ids[depth:cap] for i in members])
+            differs = np.flatnonzero((block != block[0]).any(axis=0))
+            end = depth + (int(differs[0]) if len(differs) else cap - depth)
+        if end > depth:
+            start = self._segment(self.samples[members[0]], depth, end, above)
+            above = above + [(start, end - depth)]
+        # Split by the next token; a sequence that may share no further is a branch here.
+        subtrees: dict[int, list[int]] = {}
         for index in members:
-            sample = samples[index]
-            order.append(index)
-            starts.append(offset)
-            shared_lens.append(shared)
-            prefix_starts.append(prefix_start)
-            blocks.append((offset, len(sample) - shared,
-                           (prefix_start, shared) if shared else None))
-            add(sample, shared, len(sample))
-    total = offset
-    attention = torch.zeros(total, total, dtype=torch.bool)
-    for row_start, n, prefix in blocks:
-        attention[row_start : row_start + n, row_start : row_start + n] = torch.ones(
-            n, n, dtype=torch.bool).tril_()
-        if prefix is not None:
-            attention[row_start : row_start + n, prefix[0] : prefix[0] + prefix[1]] = True
-    return MicroBatch(
-        torch.from_numpy(np.concatenate([p[0] for p in pieces])).unsqueeze(0),
-        torch.from_numpy(np.concatenate([p[1] for p in pieces])).unsqueeze(0),
-        torch.from_numpy(np.concatenate([p[2] for p in pieces])).unsqueeze(0),
-        {n: torch.from_numpy(np.concatenate([p[3][n] for p in pieces])).unsqueeze(0)
-         for n in names},
-        starts,
-        [len(samples[i]) for i in order],
-        [samples[i].prompt_len for i in order],
-        order,
-        shared_lens=shared_lens,
-        prefix_starts=prefix_starts,
-        attention_mask=attention[None, None],
-    )
+            if shareable_len(self.samples[index]) <= end:
+                self._branch(index, end, above)
+            else:
+                subtrees.setdefault(int(self.samples[index].input_ids[end]), []).append(index)
+        for subtree in subtrees.values():
+            self.place(subtree, end, above)
+
+    def micro_batch(self) -> MicroBatch:
+        def cat(values: list[np.ndarray]) -> torch.Tensor:
+            return torch.from_numpy(np.concatenate(values)).unsqueeze(0)
+
+        zeros = {id(s): np.zeros(len(s), np.float32) for s, _, _ in self.pieces}
+        total = self.offset
+        attention = torch.zeros(total, total, dtype=torch.bool)
+        for start, n, above in self.blocks:
+            attention[start : start + n, start : start + n] = torch.ones(
+                n, n, dtype=torch.bool).tril_()
+            for begin, length in above:
+                attention[start : start + n, begin : begin + length] = True
+        return MicroBatch(
+            cat([s.input_ids[lo:hi] for s, lo, hi in self.pieces]),
+            cat([np.arange(lo, hi, dtype=np.int64) for _, lo, hi in self.pieces]),
+            cat([s.loss_mask[lo:hi] for s, lo, hi in self.pieces]),
+            {name: cat([s.fields.get(name, zeros[id(s)])[lo:hi] for s, lo, hi in self.pieces])
+             for name in self.names},
+            self.starts,
+            [len(self.samples[i]) for i in self.order],
+            [self.samples[i].prompt_len for i in self.order],
+            self.order,
+            shared_lens=self.shared_lens,
+            prefix_runs=self.prefix_runs,
+            attention_mask=attention[None, None],
+        )
 
 
 def padding_fraction_padded(lengths: Sequence[int], rows_per_batch: int) -> float:

@@ -33,9 +33,8 @@ from services.learner.packing import (
     flash_attn_installed,
     pack,
     plan_micro_batches,
-    prompt_units,
+    plan_shared_rows,
     split_mini_batches,
-    unit_tokens,
 )
 
 log = logging.getLogger("forage.learner.trainer")
@@ -157,16 +156,15 @@ class PolicyTrainer:
 
     def _plan(self, samples: Sequence[Sample], indices: Sequence[int]) -> list[list[int]]:
         """This rank's micro-batches: bins of at most micro_batch_tokens computed tokens,
-        the same plan on every rank. With shared prompts a bin holds whole prompt groups
-        (packing.prompt_units), so each group's prompt is computed once."""
+        the same plan on every rank. With shared prompts a bin holds whole prompt groups and
+        counts the batch's common prefix once (packing.plan_shared_rows)."""
         budget = self.cfg.micro_batch_tokens
         if self.share_prompts:
-            units = prompt_units(samples, indices, budget)
-        else:
-            units = [[i] for i in indices]
-        lengths = [unit_tokens(samples, unit) for unit in units]
+            plan = plan_shared_rows(samples, indices, self.world_size, budget)
+            return plan[self.rank]
+        lengths = [len(samples[i]) for i in indices]
         plan = plan_micro_batches(lengths, self.world_size, budget)
-        return [[i for j in micro for i in units[j]] for micro in plan[self.rank]]
+        return [[indices[j] for j in micro] for micro in plan[self.rank]]
 
     def _pack(self, samples: Sequence[Sample], micro: Sequence[int]) -> MicroBatch:
         return pack(samples, micro, self.pad_token_id, self.share_prompts).to(self.device)

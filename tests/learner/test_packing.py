@@ -11,6 +11,7 @@ from services.learner.packing import (
     pack,
     padding_fraction_padded,
     plan_micro_batches,
+    plan_shared_rows,
     prompt_key,
     prompt_units,
     response_tensors,
@@ -148,7 +149,7 @@ def test_shared_pack_lays_out_each_prompt_once(group_samples_factory) -> None:
         assert np.array_equal(positions, np.arange(len(samples[index])))
     # Branches see the prompt and themselves, never each other or the lone sample.
     b0, b1 = mb.seq_starts[1], mb.seq_starts[2]
-    prefix = mb.prefix_starts[1]
+    prefix = mb.prefix_runs[1][0][0]
     assert mask[b0, prefix : prefix + prompt - 1].all()
     assert not mask[b1, b0 : b0 + 2].any()
     assert not mask[b0, : len(samples[3])].any()
@@ -183,3 +184,44 @@ def test_shared_prompt_logprobs_equal_one_by_one(tiny_policy, group_samples_fact
             got = mb.sample_values(shared, row)
             p = samples[index].prompt_len
             assert torch.allclose(got[p:], alone[p:], atol=1e-5), index
+
+
+def test_a_common_instruction_and_group_prompts_share_as_a_tree(group_samples_factory) -> None:
+    """Prompts that start alike (a task's instruction) share that start across groups, and each
+    group shares the rest of its prompt: every sequence still reads back exactly its tokens."""
+    samples = group_samples_factory(groups=3, per_group=2, lone=2, with_rl=True)
+    instruction = np.arange(100, 112)
+    for sample in samples:  # prepend one instruction to every prompt
+        sample.input_ids = np.concatenate([instruction, sample.input_ids])
+        sample.loss_mask = np.concatenate([np.zeros(12, np.float32), sample.loss_mask])
+        sample.fields = {k: np.concatenate([np.zeros(12, np.float32), v])
+                         for k, v in sample.fields.items()}
+        sample.prompt_len += 12
+    indices = list(range(len(samples)))
+    mb = pack(samples, indices, share_prompts=True)
+    saved = sum(len(s) for s in samples) - mb.num_tokens
+    groups = [samples[2 * g] for g in range(3)]
+    # The instruction once instead of 8 times; each group's prompt once instead of twice.
+    assert saved == 12 * 7 + sum(s.prompt_len - 1 - 12 for s in groups)
+    for row, index in enumerate(mb.sample_indices):
+        assert np.array_equal(mb.sample_values(mb.input_ids, row).numpy(), samples[index].input_ids)
+        assert np.array_equal(mb.sample_values(mb.position_ids, row).numpy(),
+                              np.arange(len(samples[index])))
+        assert mb.prefix_runs[row][0] == (0, 12)  # the instruction segment
+    assert sorted(mb.sample_indices) == indices
+
+
+@pytest.mark.parametrize("budget", [60, 150, 400])
+def test_shared_rows_keep_the_budget_and_every_sequence_once(group_samples_factory,
+                                                             budget: int) -> None:
+    samples = group_samples_factory(groups=5, per_group=4, lone=3)
+    indices = list(range(len(samples)))
+    for world in (1, 2):
+        plan = plan_shared_rows(samples, indices, world, budget)
+        seen = sorted(i for rank in plan for micro in rank for i in micro)
+        assert seen == indices
+        assert len({len(rank) for rank in plan}) == 1  # ranks stay in step
+        for rank in plan:
+            for micro in rank:
+                if len(prompt_units(samples, micro, budget)) > 1:  # oversize units sit alone
+                    assert pack(samples, micro, share_prompts=True).num_tokens <= budget
