@@ -216,3 +216,30 @@ def test_vanishing_temperature_is_greedy_not_nan(engine):
                            for p in prompts)
     assert [o.token_ids for o in tiny] == [o.token_ids for o in greedy]
     assert all(lp == lp for o in tiny for lp in o.logprobs)
+
+
+def test_a_group_with_one_prompt_is_prefilled_once(tiny_policy_dir):
+    """GRPO's n samples of one prompt: the prompt is prefilled once and its KV copied, and
+    each sample still samples on its own, with log-probs of a separate forward pass."""
+    from transformers import AutoModelForCausalLM
+
+    from services.rollout.transformers_engine import TransformersEngine
+
+    torch.set_num_threads(1)
+    engine = TransformersEngine.from_pretrained(str(tiny_policy_dir), max_batch_size=8, seed=3)
+    group, other = _prompts(engine.tokenizer, 2)
+    sampled = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    outputs = engine.generate([GenerationRequest(group, sampled) for _ in range(4)]
+                              + [GenerationRequest(other, sampled)])
+    assert engine.tokens_prefilled == len(group) + len(other)
+    assert len({tuple(o.token_ids) for o in outputs[:4]}) > 1, "copies must sample on their own"
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_policy_dir), dtype=torch.float32)
+    for prompt, output in zip([group] * 4 + [other], outputs, strict=True):
+        expected = _forward_logprobs(reference, prompt, output.token_ids)
+        assert torch.allclose(torch.tensor(output.logprobs), expected, atol=1e-4)
+    # Greedy copies decode exactly what one request alone decodes.
+    greedy = SamplingParams(temperature=0.0, max_tokens=10)
+    copies = engine.generate([GenerationRequest(group, greedy) for _ in range(3)])
+    alone = TransformersEngine.from_pretrained(str(tiny_policy_dir), max_batch_size=1).generate(
+        [GenerationRequest(group, greedy)])[0]
+    assert all(o.token_ids == alone.token_ids for o in copies)
