@@ -31,6 +31,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -520,8 +521,10 @@ def stop_token_ids(tokenizer: Any, stop_strings: list[str]) -> list[int]:
 # ---------------------------------------------------------------------------- the evaluator
 
 def evaluate(policy_dir: str, test_file: Path, max_new_tokens: int, stop_strings: list[str],
-             batch_size: int = 32) -> float:
-    """Greedy held-out EM with the scorer's reward code: the one evaluator for both tools."""
+             batch_size: int = 32) -> list[float]:
+    """Greedy held-out EM per question (0 or 1) with the scorer's reward code: the one
+    evaluator for both tools. Per question, so two tools can be compared question by question
+    (paired_sign_test)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -551,7 +554,22 @@ def evaluate(policy_dir: str, test_file: Path, max_new_tokens: int, stop_strings
     results = scorer.score_many([
         ScoreRequest(r["data_source"], text, r["reward_model"]["ground_truth"])
         for r, text in zip(rows, texts, strict=True)])
-    return sum(r.score for r in results) / len(results)
+    return [float(r.score) for r in results]
+
+
+def paired_sign_test(a: list[float], b: list[float]) -> tuple[int, int, float]:
+    """Two evaluations of the same questions: how many only `a` got right, how many only `b`,
+    and the two-sided exact sign-test p-value of that split (McNemar's exact test). The
+    questions both got right or both missed say nothing about which is better."""
+    if len(a) != len(b):
+        raise ValueError("paired_sign_test needs the same questions on both sides")
+    only_a = sum(1 for x, y in zip(a, b, strict=True) if x > 0.5 >= y)
+    only_b = sum(1 for x, y in zip(a, b, strict=True) if y > 0.5 >= x)
+    n = only_a + only_b
+    if n == 0:
+        return 0, 0, 1.0
+    tail = sum(math.comb(n, k) for k in range(min(only_a, only_b) + 1)) / 2 ** n
+    return only_a, only_b, min(1.0, 2 * tail)
 
 
 def checkpoint_at(result: RunResult, *, step: int | None = None,
@@ -566,6 +584,29 @@ def checkpoint_at(result: RunResult, *, step: int | None = None,
 
 
 # ---------------------------------------------------------------------------- report
+
+def compare_answers(results: list[RunResult], scores: dict[str, dict[str, Any]],
+                    steps: int) -> list[str]:
+    """Each tool's EM curve over its checkpoints, and each Forage run against TRL question by
+    question after `steps` steps (paired_sign_test): whether an EM gap is more than noise."""
+    lines = []
+    for res in results:
+        curve = scores[res.name]["em_curve"]
+        if curve:
+            lines.append(f"  {res.name} EM by step: " + ", ".join(
+                f"{step} {100 * value:.1f}%" for step, value in curve.items())
+                + f" (mean {100 * statistics.fmean(curve.values()):.1f}%)")
+    trl = next((r for r in results if r.name.startswith("trl")), None)
+    for res in results:
+        if trl is None or res is trl:
+            continue
+        mine, theirs = scores[res.name]["answers_steps"], scores[trl.name]["answers_steps"]
+        if mine and theirs:
+            only_f, only_t, p = paired_sign_test(mine, theirs)
+            lines.append(f"  {res.name} vs {trl.name} at step {steps}: right only with Forage "
+                         f"{only_f}, only with TRL {only_t} of {len(mine)} (sign test p={p:.2f})")
+    return lines
+
 
 def _fmt(value: float, digits: int = 2) -> str:
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) \
@@ -666,12 +707,15 @@ def _bench(args: argparse.Namespace) -> int:
     stops = list(cfg.rollout.stop_strings)
     max_new = cfg.rollout.max_tokens_per_turn
     print("evaluating checkpoints (greedy, held-out)...", flush=True)
-    cache: dict[str, float] = {}
+    cache: dict[str, list[float]] = {}
 
-    def em(path: str) -> float:
+    def answers(path: str) -> list[float]:
         if path not in cache:
             cache[path] = evaluate(path, task["test"], max_new, stops)
         return cache[path]
+
+    def em(path: str) -> float:
+        return statistics.fmean(answers(path))
 
     base_em = em(str(policy))
     scores: dict[str, dict[str, Any]] = {}
@@ -681,8 +725,12 @@ def _bench(args: argparse.Namespace) -> int:
         scores[res.name] = {  # no checkpoint yet at that time: the policy it started from
             "em_steps": em(by_step[1]) if by_step else math.nan,
             "em_time": em(by_time[1]) if by_time else base_em,
-            "time_step": by_time[0] if by_time else 0}
+            "time_step": by_time[0] if by_time else 0,
+            # every checkpoint: one evaluation is noisy (140 questions), the curve less so
+            "em_curve": {step: em(path) for step, (_, path) in sorted(res.checkpoints.items())},
+            "answers_steps": answers(by_step[1]) if by_step else []}
     lines = report(results, scores, base_em, args.steps, same_time)
+    lines += compare_answers(results, scores, args.steps)
     summary = {"policy": how, "steps": args.steps, "same_time_s": same_time, "base_em": base_em,
                "runs": [{**asdict(r), "rates": r.rates(), "scores": scores[r.name]}
                         for r in results], "trl_settings": settings}

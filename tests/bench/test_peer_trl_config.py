@@ -98,3 +98,15 @@ def test_rates_and_checkpoint_choice() -> None:
     assert bench.checkpoint_at(run, step=3) == (3, "b")
     assert bench.checkpoint_at(run, seconds=13.0) == (2, "a")
     assert bench.checkpoint_at(run, seconds=5.0) is None
+
+
+def test_paired_sign_test_counts_only_the_disagreements() -> None:
+    paired_sign_test = _bench().paired_sign_test
+
+    assert paired_sign_test([1, 1, 1, 0, 1], [0, 0, 0, 0, 1]) == (3, 0, 0.25)
+    assert paired_sign_test([1, 0, 1], [1, 0, 1]) == (0, 0, 1.0)
+    only_a, only_b, p = paired_sign_test([1.0] * 10 + [0.0] * 5, [0.0] * 10 + [0.0] * 5)
+    assert (only_a, only_b) == (10, 0) and p == pytest.approx(2 / 1024)
+    assert paired_sign_test([1, 0], [0, 1])[2] == 1.0
+    with pytest.raises(ValueError):
+        paired_sign_test([1], [1, 0])
