@@ -649,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip Forage's synchronous run (max_staleness 0)")
     parser.add_argument("--forage-threads", type=int, default=0,
                         help="FORAGE_THREADS for every `forage up` child (0: Forage's default, "
-                             "usable cores / 4 processes, at least 1)")
+                             "usable cores / 3 processes here, no retriever, at least 1)")
     parser.add_argument("--trl-first", action="store_true",
                         help="run TRL before Forage (alternate the order between repeats)")
     parser.add_argument("--out", default=str(CACHE / "run"), help="run folder")

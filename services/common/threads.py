@@ -18,7 +18,8 @@ at `import torch` / `import faiss`, before any config file is read):
 - `FORAGE_THREADS`: threads per process for torch intra-op, faiss and BLAS; `auto` (default)
   means usable cores ÷ `FORAGE_CPU_SHARE`, at least 1.
 - `FORAGE_CPU_SHARE`: how many CPU-heavy processes share this machine's cores (default 1);
-  `forage up` sets it for its children (retriever, learner, scorer and each rollout replica).
+  `forage up` sets it for its children (the retriever when the run has one, learner, scorer and
+  each rollout replica).
 - The standard variables win when you set them yourself: `OMP_NUM_THREADS` (over
   `FORAGE_THREADS`), `OMP_WAIT_POLICY` (default here PASSIVE; ACTIVE or GOMP_SPINCOUNT to get
   libgomp's spinning back on a dedicated machine), `MKL_NUM_THREADS`, `OPENBLAS_NUM_THREADS`,

@@ -60,9 +60,11 @@ def resolve_config(cfg: RunConfig, redis_url: str, rollouts: int) -> tuple[RunCo
     return RunConfig.model_validate(raw), ports
 
 
-def children_share(rollouts: int) -> int:
-    """How many CPU-heavy processes share the cores: retriever, learner, scorer, replicas."""
-    return 3 + rollouts
+def children_share(rollouts: int, retriever: bool = True) -> int:
+    """How many CPU-heavy processes share the cores: the retriever when this run starts one
+    (a run without `retriever.index_dir`, e.g. a single-turn task, has none), the learner, the
+    scorer and the replicas."""
+    return (1 if retriever else 0) + 2 + rollouts
 
 
 def write_config(cfg: RunConfig, path: Path) -> Path:
@@ -126,8 +128,10 @@ def run_up(
     config_path = write_config(resolved, run_dir / "config.yaml")
     # Several CPU-bound services share the cores: one OpenMP pool each of the default size
     # oversubscribes them badly (measured ~5x slower steps on 2 cores), so each child gets
-    # cores / (3 + rollouts) threads unless the user set a count (services/common/threads.py).
-    env = child_environ(os.environ, share=children_share(rollouts))
+    # cores / (3 + rollouts) threads unless the user set a count (services/common/threads.py);
+    # 2 + rollouts when no retriever runs.
+    env = child_environ(os.environ, share=children_share(rollouts,
+                                                         retriever=bool(cfg.retriever.index_dir)))
     env["REDIS_URL"] = redis_server.url
     supervisor = Supervisor(run_dir, env=env)
     previous = signal.signal(signal.SIGTERM, _raise_stop)

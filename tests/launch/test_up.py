@@ -29,3 +29,13 @@ def test_up_stops_on_a_learner_config_error(tmp_path, redis_url, namespace):
     # the resolved config every child read was written, with the Redis URL filled in
     resolved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert resolved["redis"]["url"] == redis_url
+
+
+def test_children_share_counts_only_the_services_that_run() -> None:
+    """The cores are split among the processes `forage up` starts: a run without a retriever
+    (a single-turn task) has one process fewer to share them with."""
+    from services.launch.up import children_share
+
+    assert children_share(1) == 4  # retriever, learner, scorer, one replica
+    assert children_share(2, retriever=False) == 4
+    assert children_share(1, retriever=False) == 3
