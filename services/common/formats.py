@@ -47,9 +47,16 @@ ACTION_PATTERN = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 # Suffixes that force an answer after a truncated reasoning prefix (DESIGN.md 5; docs/probe.md).
 # TinyZero-PRM's (countdown), byte for byte: note the trailing space after <answer>.
 PROBE_SUFFIX_THINK = "</think> Thus, the final answer is <answer> "
-# Search trajectories (no reference probe): TinyZero-PRM's wording without the trailing space,
-# because in BPE vocabularies the answer's leading space belongs to its first token.
-PROBE_SUFFIX_TAGGED = "</think> Thus, the final answer is <answer>"
+# Search trajectories (no reference probe): the policy's own answer markup and nothing else. A
+# search response reaches its answer as `</think>\n<answer>` (Search-R1's format), so a prefix
+# is closed the way the policy closes it (ProbeRule.closers) and then `<answer>` opens the
+# answer. TinyZero-PRM's `</think> Thus, the final answer is <answer>` was used before: after a
+# prefix whose think block is already closed (every 100% cut, most cuts after a passage) it
+# gave `</think>\n</think> Thus, ...`, which a policy trained on its own format never saw; on
+# the demo's seed-2 world it answered right on 0 of 10 correct trajectories at 100% against 10
+# of 10 with `<answer>` (docs/probe.md). No trailing space: in BPE vocabularies the answer's
+# leading space belongs to its first token.
+PROBE_SUFFIX_TAGGED = "<answer>"
 # Math-PRM's (\boxed{} answers), byte for byte.
 PROBE_SUFFIX_BOXED = " Thus, the final answer is: \\boxed{"
 # GSM8K in verl's `####` form: the answer line of its solutions ("#### 72").
@@ -145,6 +152,9 @@ class ProbeRule:
     suffix: str
     ends_before: tuple[str, ...]
     start_after: str | None = None
+    # (opening tag, what closes it): a prefix that ends inside one of these gets its closer
+    # before the suffix, the way the policy itself ends that block (probe_closer).
+    closers: tuple[tuple[str, str], ...] = ()
 
 
 PROBE_RULES: dict[str, ProbeRule] = {
@@ -155,9 +165,22 @@ PROBE_RULES: dict[str, ProbeRule] = {
     "boxed": ProbeRule("boxed", PROBE_SUFFIX_BOXED, ("\\boxed{",)),
     # GSM8K `####` form: before the first ####; a boxed answer is the fallback boundary.
     "gsm8k": ProbeRule("gsm8k", PROBE_SUFFIX_GSM8K, ("####", "\\boxed{")),
-    # Search trajectories: the policy's own tokens before its first <answer>.
-    "search": ProbeRule("search", PROBE_SUFFIX_TAGGED, ("<answer>",)),
+    # Search trajectories: the policy's own tokens before its first <answer>; an open think or
+    # search block is closed as the policy closes it before the answer is forced.
+    "search": ProbeRule("search", PROBE_SUFFIX_TAGGED, ("<answer>",),
+                        closers=(("<think>", "</think>\n"), ("<search>", "</search>\n"))),
 }
+
+
+def probe_closer(rule: ProbeRule, prefix_text: str) -> str:
+    """What closes the block a probe prefix ends inside (ProbeRule.closers): the closer of the
+    tag opened last and not closed since, or "" when the prefix ends outside every block."""
+    best, closer = -1, ""
+    for opening, closing in rule.closers:
+        opened = prefix_text.rfind(opening)
+        if opened > best and opened > prefix_text.rfind(closing.strip()):
+            best, closer = opened, closing
+    return closer
 
 
 def probe_task(data_source: str) -> str:
@@ -175,7 +198,8 @@ def probe_task(data_source: str) -> str:
 def probe_rule(data_source: str, suffix: str | None = None) -> ProbeRule:
     """The data source's rule; `suffix` (config `probe.suffix`) replaces only its suffix."""
     rule = PROBE_RULES[probe_task(data_source)]
-    return rule if suffix is None else replace(rule, suffix=suffix)
+    # A suffix of the user's own is used as written: no closer is put in front of it.
+    return rule if suffix is None else replace(rule, suffix=suffix, closers=())
 
 
 def probe_suffix(data_source: str, override: str | None = None) -> str:

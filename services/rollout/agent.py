@@ -40,6 +40,7 @@ from services.rollout import metrics
 from services.rollout.engine import Engine, GenerationOutput, GenerationRequest, SamplingParams
 from services.rollout.probe import (
     ProbeSettings,
+    cut_suffixes,
     probe_prompts,
     probe_rule,
     probe_stops,
@@ -413,11 +414,10 @@ class AgentLoop:
         if version % settings.every_k_versions != 0 or self._rng.random() >= settings.fraction:
             return
         rule = probe_rule(state.group.data_source, settings.suffix)
-        suffix_ids = self.tokenizer.encode(rule.suffix, add_special_tokens=False)
         span = reasoning_span(self.tokenizer, state.response, state.mask, rule)
-        prompts = probe_prompts(
-            state.prompt_ids, state.response, span.cuts(settings.num_truncations), suffix_ids
-        )
+        cuts = span.cuts(settings.num_truncations)
+        suffixes = cut_suffixes(self.tokenizer, state.response, cuts, rule)
+        prompts = probe_prompts(state.prompt_ids, state.response, cuts, suffixes)
         params = SamplingParams(
             temperature=1.0, top_p=1.0, max_tokens=settings.mc_max_tokens,
             stop=probe_stops(rule.suffix),

@@ -28,12 +28,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.formats import ProbeRule, probe_rule, probe_stops, probe_suffix
+from services.common.formats import (
+    ProbeRule,
+    probe_closer,
+    probe_rule,
+    probe_stops,
+    probe_suffix,
+)
 
 __all__ = [
     "ProbeSettings",
     "ReasoningSpan",
     "cut_points",
+    "cut_suffixes",
     "probe_prompts",
     "probe_rule",
     "probe_stops",
@@ -190,8 +197,24 @@ def probe_prompts(
     prompt_ids: Sequence[int],
     response_ids: Sequence[int],
     cuts: Sequence[int],
-    suffix_ids: Sequence[int],
+    suffixes: Sequence[Sequence[int]],
 ) -> list[list[int]]:
-    """The probe prompts of one trajectory, as token ids: prompt + response[:cut] + suffix."""
-    prompt, response, suffix = list(prompt_ids), list(response_ids), list(suffix_ids)
-    return [prompt + response[:cut] + suffix for cut in cuts]
+    """The probe prompts of one trajectory, as token ids: prompt + response[:cut] + that cut's
+    suffix (cut_suffixes)."""
+    prompt, response = list(prompt_ids), list(response_ids)
+    return [prompt + response[:cut] + list(suffix)
+            for cut, suffix in zip(cuts, suffixes, strict=True)]
+
+
+def cut_suffixes(
+    tokenizer: Any, response_ids: Sequence[int], cuts: Sequence[int], rule: ProbeRule
+) -> list[list[int]]:
+    """Per cut, the token ids that follow the prefix: the closer of the block the prefix ends
+    inside (formats.probe_closer: e.g. `</think>\\n` in an unfinished thought) and the suffix,
+    encoded together as the policy writes them."""
+    ids = list(response_ids)
+    out = []
+    for cut in cuts:
+        closer = probe_closer(rule, tokenizer.decode(ids[:cut])) if rule.closers else ""
+        out.append(list(tokenizer.encode(closer + rule.suffix, add_special_tokens=False)))
+    return out

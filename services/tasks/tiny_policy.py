@@ -287,14 +287,16 @@ def sample_texts() -> list[str]:
     from services.common.formats import (
         CORRECTIVE_MESSAGE,
         PROBE_SUFFIX_BOXED,
-        PROBE_SUFFIX_TAGGED,
+        PROBE_SUFFIX_THINK,
         corpus_contents,
         information_block,
         search_r1_prompt,
     )
 
     names, cities = SAMPLE_NAMES, SAMPLE_CITIES
-    texts: list[str] = [CORRECTIVE_MESSAGE, PROBE_SUFFIX_TAGGED, PROBE_SUFFIX_BOXED]
+    # The probes' forcing texts; countdown's without its trailing space (the byte-identical text
+    # the search probe used before 2026-11-24, so tokenizers built before and after match).
+    texts: list[str] = [CORRECTIVE_MESSAGE, PROBE_SUFFIX_THINK.rstrip(" "), PROBE_SUFFIX_BOXED]
     for i, name in enumerate(names):
         city = cities[i % len(cities)]
         year = 1900 + 7 * i

@@ -173,9 +173,21 @@ def test_probe_prompts_have_the_right_prefixes(engine, retriever_url):
     policy = [i for i in range(end) if mask[i]]  # k/N counts policy tokens, not <information>
     assert 0 < len(policy) < end
     cuts = [0] + [policy[m - 1] + 1 for m in cut_points(len(policy), 4)[1:]]
-    suffix = engine.tokenizer.encode(PROBE_SUFFIX_TAGGED, add_special_tokens=False)
+    tok = engine.tokenizer
+
+    def closed_by(cut: int) -> str:  # the block the prefix ends inside, closed as the policy does
+        text = tok.decode(response[:cut])
+        if text.rfind("<think>") > text.rfind("</think>"):
+            return "</think>\n"
+        return "</search>\n" if text.rfind("<search>") > text.rfind("</search>") else ""
+
     prompt = traj.prompt_ids.tolist()
-    expected = [prompt + response[:cut] + suffix for cut in cuts]
+    expected = [prompt + response[:cut]
+                + tok.encode(closed_by(cut) + PROBE_SUFFIX_TAGGED, add_special_tokens=False)
+                for cut in cuts]
+    # 0%: the answer forced at once; 100%: after the answer turn's closed thought, no closer.
+    assert closed_by(cuts[0]) == "" and closed_by(cuts[-1]) == ""
+    assert tok.decode(expected[-1][len(prompt):]).endswith("</think>\n<answer>")
     assert cuts[-1] == policy[-1] + 1 and all(mask[c - 1] for c in cuts[1:])
     assert sorted(seen) == sorted(p for p in expected for _ in range(3))
     assert traj.probe.fractions == [0.0, 0.25, 0.5, 0.75, 1.0]

@@ -56,7 +56,7 @@ def test_each_task_gets_its_reference_suffix_byte_for_byte():
     assert probe_suffix("countdown") == PROBE_SUFFIX_THINK
     assert probe_suffix("lighteval/MATH") == PROBE_SUFFIX_BOXED
     assert probe_suffix("openai/gsm8k") == PROBE_SUFFIX_GSM8K == "\n#### "
-    assert probe_suffix("nq") == PROBE_SUFFIX_TAGGED
+    assert probe_suffix("nq") == PROBE_SUFFIX_TAGGED == "<answer>"
     assert probe_suffix("gsm8k", "X") == "X"
     assert [probe_task(s) for s in ("countdown", "math_dapo", "gsm8k", "hotpotqa")] == [
         "think", "boxed", "gsm8k", "search"]
@@ -147,7 +147,7 @@ def test_search_prefixes_take_an_action_with_its_observation(tok):
     cuts = span.cuts(n)
     assert cuts[n1 - 1] == n1 - 1
     assert cuts[n1] == n1 + n_obs and cuts[n1 + 1] == n1 + n_obs + 1
-    prompts = probe_prompts([7, 8], ids, cuts, [99])
+    prompts = probe_prompts([7, 8], ids, cuts, [[99]] * len(cuts))
     assert "<information>" not in decoded(tok, prompts[n1 - 1][2:-1])
     assert decoded(tok, prompts[n1][2:-1]).rstrip().endswith("</information>")
     assert prompts[0] == [7, 8, 99] and prompts[-1] == [7, 8] + ids[: span.end] + [99]
@@ -182,3 +182,38 @@ def test_search_rule_on_a_single_turn_equals_a_plain_token_count(tok):
 def test_mask_length_must_match(tok):
     with pytest.raises(ValueError, match="loss_mask"):
         reasoning_span(tok, [1, 2, 3], [1, 1], probe_rule("nq"))
+
+
+def test_search_probe_closes_the_open_block_before_forcing_the_answer(tok):
+    """A search prefix is closed the way the policy closes it, then `<answer>` is forced: inside
+    a thought `</think>\\n<answer>`, inside a query `</search>\\n<answer>`, after a closed thought
+    or a passage (every 100% cut) `<answer>` alone. The old TinyZero-PRM wording gave the 100%
+    cut a second `</think>` the policy never wrote."""
+    from services.common.formats import probe_closer
+    from services.rollout.probe import cut_suffixes
+
+    rule = probe_rule("nq")
+    assert probe_closer(rule, "") == ""
+    assert probe_closer(rule, "<think> I need Bri") == "</think>\n"
+    assert probe_closer(rule, "<think> I need Brixol </think>\n<search> Bri") == "</search>\n"
+    assert probe_closer(rule, "<think> a </think>\n<search> b </search>\n\n<information>x"
+                              "</information>\n\n") == ""
+    assert probe_closer(rule, "<think> a </think>\n<search> b </search>\n\n<information>x"
+                              "</information>\n\n<think> c") == "</think>\n"
+    # A suffix the user set is used as written; countdown keeps TinyZero-PRM's, no closer.
+    assert probe_rule("nq", "</think> So <answer>").closers == ()
+    assert probe_rule("countdown").closers == ()
+
+    ids, mask, n1, n_obs = search_trajectory(tok)
+    span = reasoning_span(tok, ids, mask, rule)
+    cuts = span.cuts(span.length)
+    suffixes = cut_suffixes(tok, ids, cuts, rule)
+    prompts = probe_prompts([], ids, cuts, suffixes)
+    texts = [decoded(tok, p) for p in prompts]
+    assert texts[0] == "<answer>"
+    assert texts[-1].endswith("</think>\n<answer>") and texts[-1].count("</think>") == 2
+    inside_thought = texts[3]  # "<think> I need Bri..." : still thinking
+    assert inside_thought.endswith("</think>\n<answer>")
+    assert inside_thought.count("</think>") == 1
+    for text in texts:  # never a closed block closed again
+        assert "</think>\n</think>" not in text and "</search>\n</search>" not in text
