@@ -285,7 +285,7 @@ def prebuild_deepspeed_ops() -> float:
 
 
 def run_forage(policy: Path, task: dict[str, Path], out: Path, steps: int, staleness: int,
-               save_every: int, threads: int = 0) -> RunResult:
+               save_every: int, threads: int = 0, seed: int | None = None) -> RunResult:
     from services.common.config import load_config
 
     name = f"forage (max_staleness {staleness})"
@@ -298,6 +298,7 @@ def run_forage(policy: Path, task: dict[str, Path], out: Path, steps: int, stale
     sets = [f"run_dir={run_dir}", f"model.path={policy}",
             f"data.train_files=[{task['train']}]", f"data.test_files=[{task['test']}]",
             f"learner.total_steps={steps}", f"learner.max_staleness={staleness}",
+            *([] if seed is None else [f"learner.seed={seed}", f"rollout.seed={seed}"]),
             f"learner.save_every={save_every}", f"learner.checkpoint_dir={run_dir / 'ckpt'}",
             f"redis.namespace=peer-trl-{time.strftime('%Y%m%d-%H%M%S')}-s{staleness}",
             "learner.weight_sync_port=0", "learner.metrics_port=0", "scorer.port=0",
@@ -335,7 +336,7 @@ def run_forage(policy: Path, task: dict[str, Path], out: Path, steps: int, stale
 # ---------------------------------------------------------------------------- TRL
 
 def trl_settings(policy: Path, task: dict[str, Path], out: Path, steps: int, save_every: int,
-                 per_device: int) -> dict[str, Any]:
+                 per_device: int, seed: int | None = None) -> dict[str, Any]:
     """GRPOConfig values derived from configs/peer_trl.yaml (the table in bench/README.md)."""
     from services.common.config import load_config
 
@@ -351,7 +352,8 @@ def trl_settings(policy: Path, task: dict[str, Path], out: Path, steps: int, sav
         "stop_strings": list(cfg.rollout.stop_strings),
         "grpo": {
             "output_dir": str(out / "trl"), "use_cpu": True, "bf16": False, "fp16": False,
-            "use_vllm": False, "seed": lrn.seed, "data_seed": lrn.seed,
+            "use_vllm": False, "seed": lrn.seed if seed is None else seed,
+            "data_seed": lrn.seed if seed is None else seed,
             "max_steps": steps, "num_train_epochs": 1,
             "per_device_train_batch_size": per_device,
             "gradient_accumulation_steps": batch // per_device,
@@ -650,6 +652,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--forage-threads", type=int, default=0,
                         help="FORAGE_THREADS for every `forage up` child (0: Forage's default, "
                              "usable cores / 3 processes here, no retriever, at least 1)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="sampling/initialisation seed of both tools (default: the config's, "
+                             "0); the prompts and their order stay the same: repeat runs with "
+                             "other seeds to tell a score gap from sampling noise")
     parser.add_argument("--trl-first", action="store_true",
                         help="run TRL before Forage (alternate the order between repeats)")
     parser.add_argument("--out", default=str(CACHE / "run"), help="run folder")
@@ -687,7 +693,8 @@ def _bench(args: argparse.Namespace) -> int:
     print(f"DeepSpeed shm_comm op ready ({prebuild_deepspeed_ops():.0f} s, not timed)",
           flush=True)
     results: list[RunResult] = []
-    settings = trl_settings(policy, task, out, args.steps, args.save_every, args.trl_micro_batch)
+    settings = trl_settings(policy, task, out, args.steps, args.save_every, args.trl_micro_batch,
+                            args.seed)
     plan = [("forage", 1), ("trl", None)] + ([] if args.no_sync else [("forage", 0)])
     if args.trl_first:
         plan = [plan[1], plan[0], *plan[2:]]
@@ -698,7 +705,7 @@ def _bench(args: argparse.Namespace) -> int:
             results.append(run_trl(settings, out))
         else:
             results.append(run_forage(policy, task, out, args.steps, staleness,
-                                      args.save_every, args.forage_threads))
+                                      args.save_every, args.forage_threads, args.seed))
         res = results[-1]
         print(f"  {res.name}: {_fmt(res.steps_per_min())} steps/min, wall {res.wall_s:.0f} s",
               flush=True)

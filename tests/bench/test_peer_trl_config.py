@@ -43,6 +43,9 @@ def test_trl_settings_match_forage_config(tmp_path: Path) -> None:
     assert grpo["shuffle_dataset"] is False and cfg.data.shuffle is False
     assert (grpo["max_steps"], grpo["save_steps"], grpo["seed"]) == (7, 3, cfg.learner.seed)
     assert not cfg.rollout.use_search and not cfg.learner.eval_before
+    reseeded = bench.trl_settings(tmp_path / "p", task, tmp_path, steps=7, save_every=3,
+                                  per_device=16, seed=3)["grpo"]
+    assert reseeded["seed"] == 3 and reseeded["shuffle_dataset"] is False  # same prompt order
 
 
 def test_micro_batch_must_divide_the_step(tmp_path: Path) -> None:
