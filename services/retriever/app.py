@@ -201,6 +201,9 @@ def create_app(index_dir: str | Path, settings: RetrieverSection, device: str | 
     """
     state = ServerState()
     device = device or settings.device
+    from services.retriever.encoder import resolve_query_dtype
+
+    query_dtype = resolve_query_dtype(settings.query_dtype, device)
 
     def load() -> None:
         try:
@@ -209,15 +212,15 @@ def create_app(index_dir: str | Path, settings: RetrieverSection, device: str | 
             else:
                 from services.retriever.searcher import Searcher
 
-                searcher = Searcher.load(index_dir, device=device)
+                searcher = Searcher.load(index_dir, device=device, query_dtype=query_dtype)
             state.searcher = searcher
             if state.batcher is not None:
                 state.batcher.warm_up(lambda: searcher.search_many(["warm up"], [1]))
             INDEX_DOCS.set(len(searcher))
             LOADED.set(1)
             state.ready.set()
-            log.info("index %s loaded (%d passages); serving; threads %s", index_dir,
-                     len(searcher), threads_in_use())
+            log.info("index %s loaded (%d passages); queries encoded in %s; serving; "
+                     "threads %s", index_dir, len(searcher), query_dtype, threads_in_use())
         except Exception as exc:  # noqa: BLE001 (reported, then the server stops)
             state.error = f"{type(exc).__name__}: {exc}"
             log.error("cannot load index %s: %s", index_dir, state.error)
@@ -305,7 +308,8 @@ def create_app(index_dir: str | Path, settings: RetrieverSection, device: str | 
     async def healthz():
         if state.ready.is_set():
             return {"status": "ok", "docs": len(state.searcher),
-                    "index_type": state.searcher.index_type, "threads": threads_in_use()}
+                    "index_type": state.searcher.index_type, "threads": threads_in_use(),
+                    "query_dtype": query_dtype if state.searcher.encoder is not None else None}
         detail = state.error or "loading"
         return JSONResponse({"status": detail}, status_code=503)
 

@@ -72,20 +72,58 @@ def torch_cuda_problem(gpu: int | None = None) -> str | None:
     return None
 
 
-_MODELS: dict[tuple[str, str], object] = {}
+QUERY_DTYPES = ("float32", "bfloat16", "float16")
+# CPU features with native bfloat16 arithmetic (oneDNN uses them for bf16 matrix products).
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU's feature flags (Linux); empty where they cannot be read."""
+    try:
+        text = Path(cpuinfo).read_text(errors="replace")
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def resolve_query_dtype(setting: str, device: str, flags: frozenset[str] | None = None) -> str:
+    """The dtype queries are encoded in (`retriever.query_dtype`). `auto`: float16 on CUDA
+    (Search-R1's retriever default, `retrieval_use_fp16`), bfloat16 on a CPU with native
+    bf16 arithmetic (1.75x faster on an AVX-512 BF16 EPYC, every vector within cosine 0.9999 of
+    fp32; docs/retriever.md), else float32. Passages are always encoded in float32."""
+    if setting != "auto":
+        if setting not in QUERY_DTYPES:
+            raise ValueError(f"retriever.query_dtype {setting!r}: use auto or one of "
+                             f"{', '.join(QUERY_DTYPES)}")
+        return setting
+    if device.startswith("cuda"):
+        return "float16"
+    return "bfloat16" if (cpu_flags() if flags is None else flags) & BF16_CPU_FLAGS \
+        else "float32"
+
+
+_MODELS: dict[tuple[str, str, str], object] = {}
 _MODELS_LOCK = threading.Lock()
 
 
-def _load_model(path: str, device: str):
-    """One copy of each model per process: a data builder that builds an index and then
-    searches it (or builds several index types) loads the weights once. Inference only reads
-    the weights, so sharing is safe."""
+def _load_model(path: str, device: str, dtype: str = "float32"):
+    """One copy of each model per process and dtype: a data builder that builds an index and
+    then searches it (or builds several index types) loads the weights once. Inference only
+    reads the weights, so sharing is safe; a reduced-precision copy for queries is its own."""
     from sentence_transformers import SentenceTransformer
 
     with _MODELS_LOCK:
-        key = (path, device)
+        key = (path, device, dtype)
         if key not in _MODELS:
-            _MODELS[key] = SentenceTransformer(path, device=device, local_files_only=True)
+            model = SentenceTransformer(path, device=device, local_files_only=True)
+            if dtype != "float32":
+                import torch
+
+                model = model.to(getattr(torch, dtype))
+            _MODELS[key] = model
         return _MODELS[key]
 
 
@@ -100,9 +138,15 @@ def _tokenizer_lock(model: object) -> threading.Lock:
 
 class Encoder:
     def __init__(self, path: str | None = None, device: str = "cpu", query_prefix: str = "",
-                 passage_prefix: str = "", batch_size: int = 64) -> None:
+                 passage_prefix: str = "", batch_size: int = 64, dtype: str = "float32") -> None:
+        """`dtype` is the weights' and activations' precision; vectors are float32 either
+        way. Anything but float32 is for queries only (encode_queries): an index's passages
+        are encoded in float32."""
+        if dtype not in QUERY_DTYPES:
+            raise ValueError(f"encoder dtype {dtype!r}: one of {', '.join(QUERY_DTYPES)}")
         self.path = resolve_encoder(path)
-        self.model = _load_model(self.path, device)
+        self.dtype = dtype
+        self.model = _load_model(self.path, device, dtype)
         self.query_prefix = query_prefix
         self.passage_prefix = passage_prefix
         self.batch_size = batch_size
@@ -159,4 +203,6 @@ class Encoder:
         return vectors
 
     def encode_passages(self, passages: list[str]) -> np.ndarray:
+        if self.dtype != "float32":
+            raise ValueError(f"passages are encoded in float32, this encoder is {self.dtype}")
         return self._encode([self.passage_prefix + passage for passage in passages])

@@ -62,11 +62,13 @@ class Searcher:
 
     @classmethod
     def load(cls, index_dir: str | Path, device: str = "cpu", encoder: str | None = None,
-             search_params: dict[str, int] | None = None, batch_size: int = 64) -> Searcher:
+             search_params: dict[str, int] | None = None, batch_size: int = 64,
+             query_dtype: str = "float32") -> Searcher:
         """Load a built index; raises IndexLoadError naming what is missing or corrupt.
 
         `encoder` overrides the model path recorded at build time (an index copied to another
-        machine); `search_params` overrides ef_search / nprobe.
+        machine); `search_params` overrides ef_search / nprobe; `query_dtype` is the precision
+        queries are encoded in (the server resolves retriever.query_dtype's `auto`).
         """
         index_dir = Path(index_dir)
         manifest = check_index_dir(index_dir)
@@ -94,7 +96,7 @@ class Searcher:
                 model = Encoder(model_path, device=device,
                                 query_prefix=manifest.get("query_prefix", ""),
                                 passage_prefix=manifest.get("passage_prefix", ""),
-                                batch_size=batch_size)
+                                batch_size=batch_size, dtype=query_dtype)
             except (OSError, ValueError) as exc:
                 raise IndexLoadError(f"cannot load encoder {model_path}: {exc}") from None
             if model.dim != manifest.get("dim"):

@@ -143,6 +143,9 @@ def server(flat_index, tmp_path_factory):
         "  max_queries_per_request: 64\n"
         "  max_query_chars: 200\n"
         "  max_body_bytes: 65536\n"
+        # Compared with the in-process float32 searcher to 1e-5 (test_server.py); the reduced
+        # precision `auto` picks on some CPUs has its own test (test_search.py).
+        "  query_dtype: float32\n"
     )
     port = free_port()
     process = start_server(

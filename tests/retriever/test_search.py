@@ -133,3 +133,38 @@ def test_missing_or_unfinished_index_is_a_load_error(tmp_path):
     (tmp_path / "half").mkdir()
     with pytest.raises(IndexLoadError, match="no manifest.json"):
         Searcher.load(tmp_path / "half")
+
+
+def test_query_dtype_auto_follows_the_device_and_the_cpu() -> None:
+    from services.retriever.encoder import resolve_query_dtype
+
+    assert resolve_query_dtype("auto", "cuda:0", frozenset()) == "float16"  # Search-R1's fp16
+    assert resolve_query_dtype("auto", "cpu", frozenset({"avx512f", "avx512_bf16"})) == "bfloat16"
+    assert resolve_query_dtype("auto", "cpu", frozenset({"amx_bf16"})) == "bfloat16"
+    assert resolve_query_dtype("auto", "cpu", frozenset({"avx2"})) == "float32"
+    assert resolve_query_dtype("float32", "cuda", frozenset()) == "float32"  # as written
+    with pytest.raises(ValueError, match="query_dtype"):
+        resolve_query_dtype("int8", "cpu", frozenset())
+
+
+def test_bfloat16_queries_find_what_float32_queries_find(flat_index, flat_searcher) -> None:
+    """Reduced-precision query encoding (retriever.query_dtype) against the float32 index:
+    the same top-1 passage for every query, vectors and scores within rounding of float32."""
+    from services.retriever.searcher import Searcher
+
+    half = Searcher.load(flat_index, query_dtype="bfloat16")
+    assert half.encoder.dtype == "bfloat16" and flat_searcher.encoder.dtype == "float32"
+    assert half.encoder.model is not flat_searcher.encoder.model  # its own copy
+    queries = ["castle on a hill", "fresh bread every morning", "wolves in the forest",
+               "a telescope to study comets", "the old mine", "harbor at dawn",
+               "library of rare books", "dragon over the river"] * 2
+    full_vectors = flat_searcher.encoder.encode_queries(queries)
+    half_vectors = half.encoder.encode_queries(queries)
+    assert half_vectors.dtype == np.float32
+    assert (full_vectors * half_vectors).sum(axis=1).min() > 0.999
+    want, got = flat_searcher.search(queries, 3), half.search(queries, 3)
+    for wanted, found in zip(want, got, strict=True):
+        assert found[0][0]["id"] == wanted[0][0]["id"]
+        assert found[0][1] == pytest.approx(wanted[0][1], abs=5e-3)
+    with pytest.raises(ValueError, match="float32"):
+        half.encoder.encode_passages(["a passage"])

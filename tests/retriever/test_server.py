@@ -143,7 +143,9 @@ def test_deep_json_under_the_size_limit_is_400(server):
 
 def test_server_survives_bad_input_and_exposes_endpoints(server):
     post(server, b"garbage")
-    assert httpx.get(f"{server}/healthz", timeout=10).json()["status"] == "ok"
+    health = httpx.get(f"{server}/healthz", timeout=10).json()
+    assert health["status"] == "ok"
+    assert health["query_dtype"] == "float32"  # the config's retriever.query_dtype
     metrics = httpx.get(f"{server}/metrics", timeout=10)
     assert metrics.status_code == 200
     assert 'forage_retriever_requests_total{status="400"}' in metrics.text

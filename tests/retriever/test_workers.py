@@ -175,7 +175,8 @@ def test_a_two_worker_server_answers_concurrent_clients_like_the_searcher(flat_i
     env.update(HF_HUB_OFFLINE="1", FORAGE_THREADS="2")
     port = free_port()
     process = subprocess.Popen([FORAGE, "retriever", "serve", "--index", str(flat_index),
-                                "--port", str(port), "--max-batch", "3"],
+                                "--port", str(port), "--max-batch", "3",
+                                "--set", "retriever.query_dtype=float32"],  # as the searcher
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         deadline = time.monotonic() + 90

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from services.common.config.base import Section
@@ -18,6 +20,10 @@ class RetrieverSection(Section):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     device: str = "cpu"
+    # Precision of the query encoder (passages are always encoded in float32). auto: float16
+    # on CUDA (Search-R1's `retrieval_use_fp16`), bfloat16 on a CPU with native bf16 arithmetic
+    # (AVX-512 BF16 or AMX), else float32 (services/retriever/encoder.py, docs/retriever.md).
+    query_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_batch: int = Field(default=64, ge=1)
     # Micro-batches run at once, each on its own thread with threads/workers OpenMP threads;
     # 0 = auto: one per thread up to 8 on CPU, 1 on cuda (services/common/threads.py).
