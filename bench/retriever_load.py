@@ -13,7 +13,9 @@ experiments) and, with `--peer`, Search-R1's server from a patched copy in a tem
 `.cuda()` calls made no-ops, fp16 off, host/port from the environment; nothing of it is kept
 or committed). It checks that both give the same top-1 passage on 20 questions, then, for
 `--rounds` rounds, for each load (`quiet`; `busy`: a `while True: pass` process it starts and
-stops itself) and each server (the order alternating between rounds), measures:
+stops itself) and each server (the order alternating between rounds), lets the server settle
+at that load (SETTLE_S of unmeasured batch traffic: Forage's worker limit adapts at most once
+per 3 s) and measures:
 
 - single: 8 client threads, each sending one-query requests (`--single-requests` in all);
 - batch: 4 client threads, each sending 32-query requests (`--batch-requests` in all).
@@ -197,6 +199,22 @@ def throughput(server: Server, questions: list[str], clients: int, per_request: 
     return requests * per_request / elapsed
 
 
+# Forage's server adapts how many micro-batches run at once to the load it sees, changing the
+# limit at most once per PROBE_AFTER_S (3 s; services/retriever/batcher.py). A workload
+# measured right after the load changed (a round's ~1-3 s) would time the previous load's
+# setting, so each server first serves the batch workload this long under the new load (both
+# servers alike).
+SETTLE_S = 4.0
+
+
+def settle(server: Server, questions: list[str], seconds: float) -> None:
+    """Serve the batch workload for `seconds` at the current load (not measured)."""
+    clients, size = WORKLOADS["batch"]
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        throughput(server, questions, clients, size, clients, 0)
+
+
 def top1(server: Server, questions: list[str]) -> list[str]:
     conn = server.connect()
     try:
@@ -299,6 +317,7 @@ def main() -> int:
             for load in loads:
                 with Busy() if load == "busy" else _Quiet():
                     for server in order:
+                        settle(server, questions, SETTLE_S)
                         for name, (clients, size) in WORKLOADS.items():
                             requests = (args.single_requests if name == "single"
                                         else args.batch_requests)
