@@ -22,7 +22,9 @@ WORDS = ["dragon", "bread", "telescope", "ships", "oak", "castle", "river", "win
 def default_server(flat_index, tools):
     """`forage retriever serve` with no config: every limit at its shipped default."""
     port = tools.free_port()
-    process = tools.start_server(["--index", str(flat_index), "--topk", "3"], port)
+    # query_dtype float32: the answers are compared with the in-process float32 searcher
+    process = tools.start_server(["--index", str(flat_index), "--topk", "3",
+                                  "--set", "retriever.query_dtype=float32"], port)
     yield f"http://127.0.0.1:{port}"
     tools.stop_server(process)
 
