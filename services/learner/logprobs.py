@@ -17,8 +17,8 @@ def forward_logits(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
     """Logits (1, N, V) for a packed row: no attention mask, position ids restart per sequence,
     which transformers turns into a block-diagonal causal mask; or, for shared prompts, the
     row's own mask (packing.py)."""
-    extra = {} if mb.attention_mask is None else {"attention_mask": mb.attention_mask}
-    out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **extra)
+    out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
+                **mb.mask_kwargs())
     return out.logits
 
 

@@ -290,6 +290,11 @@ class MicroBatch:
             else self.attention_mask.to(device, non_blocking=True),
         )
 
+    def mask_kwargs(self) -> dict[str, torch.Tensor]:
+        """The forward's `attention_mask` for a row with shared prefixes; none otherwise
+        (position-id restarts keep plain rows apart)."""
+        return {} if self.attention_mask is None else {"attention_mask": self.attention_mask}
+
     def _shared(self, row: int) -> int:
         return self.shared_lens[row] if self.shared_lens else 0
 
@@ -400,12 +405,18 @@ def common_prefix_len(samples: Sequence[Sample], indices: Sequence[int]) -> int:
     a row of any of them computes it once, which the planner counts (plan_shared_rows)."""
     if len(indices) < 2:
         return 0
+    return _shared_until(samples, indices, 0)
+
+
+def _shared_until(samples: Sequence[Sample], indices: Sequence[int], depth: int) -> int:
+    """Where the shareable tokens of `samples[indices]`, identical up to `depth`, stop being
+    identical (at most the smallest shareable_len; `depth` when that is no further)."""
     cap = min(shareable_len(samples[i]) for i in indices)
-    if cap == 0:
-        return 0
-    block = np.stack([samples[i].input_ids[:cap] for i in indices])
+    if cap <= depth:
+        return depth
+    block = np.stack([samples[i].input_ids[depth:cap] for i in indices])
     differs = np.flatnonzero((block != block[0]).any(axis=0))
-    return int(differs[0]) if len(differs) else cap
+    return depth + (int(differs[0]) if len(differs) else cap - depth)
 
 
 def plan_shared_rows(
@@ -523,12 +534,7 @@ class _PrefixTree:
         if len(members) == 1:
             self._branch(members[0], depth, above)
             return
-        cap = min(shareable_len(self.samples[i]) for i in members)
-        end = depth
-        if cap > depth:
-            block = np.stack([self.samples[i].input_ids[depth:cap] for i in members])
-            differs = np.flatnonzero((block != block[0]).any(axis=0))
-            end = depth + (int(differs[0]) if len(differs) else cap - depth)
+        end = _shared_until(self.samples, members, depth)
         if end > depth:
             start = self._segment(self.samples[members[0]], depth, end, above)
             above = above + [(start, end - depth)]

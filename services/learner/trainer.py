@@ -256,11 +256,8 @@ class PolicyTrainer:
         """One forward over a packed row, no KV cache: position ids restarting per sequence
         and no mask, or the shared-prompt mask; on the flash path also the sequence boundaries
         (packing.py)."""
-        extra: dict[str, Any] = {}
-        if self.attn_implementation == FLASH_ATTENTION:
-            extra = mb.varlen_kwargs()
-        elif mb.attention_mask is not None:
-            extra = {"attention_mask": mb.attention_mask}
+        extra = (mb.varlen_kwargs() if self.attn_implementation == FLASH_ATTENTION
+                 else mb.mask_kwargs())
         return model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
                      **extra)
 
