@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,33 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def union_of_names(names: Iterable[str]) -> list[str]:
+    """The sorted union over ranks of each rank's `names`.
+
+    Why: a collective needs the same tensor on every rank, yet ranks can hold different metric
+    names (a rank whose micro-batches were all dummy passes has no loss metrics at all); a rank
+    that skipped the all-reduce would leave the others waiting in it forever. The names travel
+    as UTF-8 bytes in a tensor, never pickled.
+    """
+    mine = sorted(set(names))
+    if world_size() == 1:
+        return mine
+    on = device()
+    data = "\n".join(mine).encode()
+    width = torch.tensor([len(data)], dtype=torch.int64, device=on)
+    dist.all_reduce(width, op=dist.ReduceOp.MAX)
+    buffer = torch.zeros(int(width.item()) or 1, dtype=torch.uint8, device=on)
+    if data:
+        buffer[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(on)
+    gathered = [torch.empty_like(buffer) for _ in range(world_size())]
+    dist.all_gather(gathered, buffer)
+    union: set[str] = set()
+    for item in gathered:
+        text = bytes(item.cpu().tolist()).rstrip(b"\0").decode()
+        union.update(name for name in text.split("\n") if name)
+    return sorted(union)
 
 
 def barrier() -> None:

@@ -395,6 +395,21 @@ def prompt_units(
     return units
 
 
+def spread_units(units: list[list[int]], world_size: int) -> list[list[int]]:
+    """`units` with the largest halved until there are at least `world_size` (or none has two
+    members), so every rank gets real sequences: a batch of one GRPO group on 2 ranks would
+    otherwise leave one rank idle on a dummy pass. Each half still computes its prompt once."""
+    units = [list(unit) for unit in units]
+    while len(units) < world_size:
+        largest = max(range(len(units)), key=lambda j: len(units[j]), default=None)
+        if largest is None or len(units[largest]) < 2:
+            break
+        unit = units.pop(largest)
+        half = (len(unit) + 1) // 2
+        units[largest:largest] = [unit[:half], unit[half:]]
+    return units
+
+
 def unit_tokens(samples: Sequence[Sample], unit: Sequence[int]) -> int:
     """Tokens `unit` (one of prompt_units) takes in a row of its own."""
     return shared_layout_tokens([len(samples[i]) for i in unit], samples[unit[0]].prompt_len)
@@ -426,7 +441,7 @@ def plan_shared_rows(
     (prompt_units), each costed at its tokens beyond the prefix common to the whole batch
     (that prefix is paid once per row), so a row's computed tokens stay within `max_tokens`
     (fewer where its sequences share more). Returns plan[rank][micro] = sample indices."""
-    units = prompt_units(samples, indices, max_tokens)
+    units = spread_units(prompt_units(samples, indices, max_tokens), world_size)
     common = common_prefix_len(samples, indices)
     costs = [unit_tokens(samples, unit) for unit in units]
     if common and common < max_tokens:

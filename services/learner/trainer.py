@@ -110,11 +110,8 @@ class PolicyTrainer:
             self.device.type, self.dtype, self.device.type == "cuda" and flash_attn_installed()
         )
         # One copy of each group's prompt per row (packing.py); flash-attn's varlen kernel
-        # cannot take the mask that needs, so the flash path never shares. One rank only for
-        # now: a 2-rank ZeRO-2 run (tests/learner/test_loop.py) hung with sharing on, cause not
-        # found yet (docs/learner.md).
-        self.share_prompts = (cfg.shared_prompts and self.attn_implementation != FLASH_ATTENTION
-                              and self.world_size == 1)
+        # cannot take the mask that needs, so the flash path never shares.
+        self.share_prompts = cfg.shared_prompts and self.attn_implementation != FLASH_ATTENTION
         log.info("policy in %s, attention %s, gradient checkpointing %s, shared prompts %s",
                  str(self.dtype).removeprefix("torch."), self.attn_implementation,
                  "on" if gradient_checkpointing else "off",
@@ -320,10 +317,13 @@ class PolicyTrainer:
         return metrics
 
     def _sum_over_ranks(self, metrics: dict[str, float], keys: Sequence[str]) -> None:
-        present = [k for k in keys if k in metrics]
+        """Sum `keys` of `metrics` over ranks, in place. Every rank joins the same all-reduce:
+        the key list is the union over ranks (a rank that ran only dummy passes has none of
+        the loss keys) and a key a rank lacks counts 0 there."""
+        present = D.union_of_names(k for k in keys if k in metrics)
         if not present:
             return
-        values = torch.tensor([metrics[k] for k in present], dtype=torch.float64,
+        values = torch.tensor([metrics.get(k, 0.0) for k in present], dtype=torch.float64,
                               device=self.device)
         D.all_reduce_sum(values)
         for key, value in zip(present, values.tolist(), strict=True):

@@ -1,4 +1,6 @@
-"""2 CPU ranks (gloo, torchrun) give the same update as 1 rank on the same batch."""
+"""2 CPU ranks (gloo, torchrun) give the same updates as 1 rank on the same batches, including
+a batch of one sequence (one rank only runs a dummy pass) and a batch of one GRPO group whose
+prompt each row computes once (learner.shared_prompts)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ def _run(policy: Path, out: Path, nproc: int, zero_stage: int) -> tuple[dict, di
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path.cwd()))
     cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", str(SCRIPT),
            str(policy), str(out), str(zero_stage)]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-4000:]
     return load_file(str(out / "weights.safetensors")), json.loads((out / "metrics.json").read_text())
 
@@ -31,11 +33,16 @@ def _run(policy: Path, out: Path, nproc: int, zero_stage: int) -> tuple[dict, di
 def test_two_ranks_equal_one_rank(tiny_policy, tmp_path) -> None:
     one, m1 = _run(tiny_policy, tmp_path / "one", 1, 0)
     two, m2 = _run(tiny_policy, tmp_path / "two", 2, 2)  # and ZeRO-2 shards the optimizer
-    assert m1["sft"]["loss"] == pytest.approx(m2["sft"]["loss"], rel=1e-5)
-    assert m1["sft"]["grad_norm"] == pytest.approx(m2["sft"]["grad_norm"], rel=1e-4)
-    assert m1["sft"]["tokens_computed"] == m2["sft"]["tokens_computed"]
-    if "rl" in m1:
-        assert m1["rl"]["pg_loss"] == pytest.approx(m2["rl"]["pg_loss"], rel=1e-4, abs=1e-6)
+    for case in ("mixed", "single", "group"):
+        a, b = m1[case], m2[case]
+        assert a["sft"]["loss"] == pytest.approx(b["sft"]["loss"], rel=1e-5), case
+        assert a["sft"]["grad_norm"] == pytest.approx(b["sft"]["grad_norm"], rel=1e-4), case
+        assert a["rl"]["pg_loss"] == pytest.approx(b["rl"]["pg_loss"], rel=1e-4, abs=1e-6), case
+        assert a["rl"]["loss"] == pytest.approx(b["rl"]["loss"], rel=1e-4, abs=1e-6), case
+    assert m1["mixed"]["sft"]["tokens_computed"] == m2["mixed"]["sft"]["tokens_computed"]
+    # One rank computes the group's prompt once; two ranks once each (half the group each).
+    prompt = 30 - 1
+    assert m2["group"]["sft"]["tokens_computed"] == m1["group"]["sft"]["tokens_computed"] + prompt
     initial = None
     for name, value in one.items():
         assert torch.allclose(value, two[name], atol=2e-5, rtol=1e-4), name

@@ -18,6 +18,7 @@ from services.learner.packing import (
     sample_from_trajectory,
     set_response_matrix,
     split_mini_batches,
+    spread_units,
     unit_tokens,
 )
 
@@ -209,6 +210,19 @@ def test_a_common_instruction_and_group_prompts_share_as_a_tree(group_samples_fa
                               np.arange(len(samples[index])))
         assert mb.prefix_runs[row][0] == (0, 12)  # the instruction segment
     assert sorted(mb.sample_indices) == indices
+
+
+def test_one_group_is_split_so_every_rank_has_real_sequences(group_samples_factory) -> None:
+    """A batch of one GRPO group on 2 ranks: each rank gets half the group (each half computes
+    the prompt once), not one rank the whole group and the other a dummy pass."""
+    samples = group_samples_factory(groups=1, per_group=4, lone=0)
+    indices = list(range(len(samples)))
+    plan = plan_shared_rows(samples, indices, 2, 10_000)
+    per_rank = [sorted(i for micro in rank for i in micro) for rank in plan]
+    assert per_rank == [[0, 1], [2, 3]] or per_rank == [[2, 3], [0, 1]]
+    assert plan_shared_rows(samples, indices, 1, 10_000) == [[indices]]
+    assert spread_units([[0, 1, 2], [3]], 3) == [[0, 1], [2], [3]]
+    assert spread_units([[0], [1]], 4) == [[0], [1]]  # nothing left to split
 
 
 @pytest.mark.parametrize("budget", [60, 150, 400])

@@ -38,8 +38,8 @@ class LearnerSection(Section):
     micro_batch_tokens: int = Field(default=4096, ge=1)
     # Compute each prompt once per row for the samples that repeat it (a GRPO group): the same
     # log-probs and gradients for a fraction of the tokens (packing.py "shared prompts"). Off
-    # by itself on the flash-attn path, whose varlen kernel cannot take the mask it needs, and
-    # with more than one rank (docs/learner.md, "Shared prefixes").
+    # by itself on the flash-attn path, whose varlen kernel cannot take the mask it needs
+    # (docs/learner.md, "Shared prefixes").
     shared_prompts: bool = True
     # Sequences per optimizer step inside one RL batch (0: the whole batch is one mini-batch),
     # and passes over the batch (PPO epochs).
