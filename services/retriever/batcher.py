@@ -29,6 +29,14 @@ number of batches allowed to run at once adapts (`next_limit`): when batches tha
 another got less than CONTENDED_CPU_SHARE of a core while they wanted one (the scheduler's run
 time / (run time + run-queue wait) of the worker thread), the limit drops by one; PROBE_AFTER_S
 after the last change it is raised by one again, so a freed core is used within seconds.
+
+Time-sharing is not always a loss, though. When the other work on the machine is the clients
+themselves (a benchmark, a trainer on the same node), they sleep while they wait for answers,
+and two batches at once served 1.6-1.9x what one did even though each got under 0.75 of a core
+(bench/README.md, run D). So the batcher also remembers what each limit served (queries per
+second of the time a batch was running, over the window since the limit last changed): a
+contended limit is kept when it serves FASTER_BY more than the limit below it did within the
+last RATE_STALE_S, and dropped otherwise (or when there is no such figure yet).
 """
 
 from __future__ import annotations
@@ -56,6 +64,13 @@ BatchFn = Callable[[list[str], list[int]], list[Any]]
 CONTENDED_CPU_SHARE = 0.75
 SHARE_WINDOW = 3
 PROBE_AFTER_S = 3.0
+# A limit's serving rate is compared once it has run batches for MIN_RATE_WINDOW_S; a
+# contended limit stays when it serves FASTER_BY more than the one below it did, a figure at
+# most RATE_STALE_S old (load changes; a stale figure is measured again by dropping).
+MIN_RATE_WINDOW_S = 1.0
+MAX_RATE_WINDOW_S = 5.0  # a limit held longer is measured afresh every this many busy seconds
+FASTER_BY = 0.1
+RATE_STALE_S = 30.0
 
 
 def _cpu_and_wait() -> tuple[float, float]:
@@ -72,16 +87,26 @@ def _cpu_and_wait() -> tuple[float, float]:
         return time.thread_time(), -1.0
 
 
-def next_limit(limit: int, workers: int, shares: Sequence[float], since_change_s: float) -> int:
+def next_limit(limit: int, workers: int, shares: Sequence[float], since_change_s: float,
+               served_per_s: float | None = None, below_per_s: float | None = None) -> int:
     """Micro-batches allowed to run at once, after a batch finished.
 
     `shares`: the core shares (CPU time / (CPU time + run-queue wait)) of the batches that
-    overlapped another since the limit last changed, oldest first. Lowered by one when the mean
-    of the last SHARE_WINDOW (at least 2 of them) is under CONTENDED_CPU_SHARE; raised by one
-    PROBE_AFTER_S after the last change, to find out whether a core came free."""
+    overlapped another since the limit last changed, oldest first. When the mean of the last
+    SHARE_WINDOW (at least 2 of them) is under CONTENDED_CPU_SHARE, the batches are
+    time-sharing cores: the limit drops by one, unless the limit below has a recent serving rate
+    (`below_per_s`, queries/s) and this one does not beat it by FASTER_BY (`served_per_s`, None
+    until measured long enough: then it waits for the figure). Raised by one PROBE_AFTER_S after
+    the last change, to find out whether a core came free."""
     recent = list(shares)[-SHARE_WINDOW:]
     if limit > 1 and len(recent) >= 2 and sum(recent) / len(recent) < CONTENDED_CPU_SHARE:
-        return limit - 1
+        if below_per_s is None:
+            return limit - 1
+        if served_per_s is None:
+            return limit
+        if served_per_s <= below_per_s * (1.0 + FASTER_BY):
+            return limit - 1
+        return limit
     if limit < workers and since_change_s >= PROBE_AFTER_S:
         return limit + 1
     return limit
@@ -119,6 +144,12 @@ class MicroBatcher:
         self.limit = workers  # batches allowed to run at once (next_limit)
         self._shares: deque[float] = deque(maxlen=SHARE_WINDOW)
         self._limit_changed = time.monotonic()
+        # Serving rate of the current limit: queries answered and seconds with a batch running
+        # since the limit last changed; `rates[limit]` = (queries/s, when) of past windows.
+        self._served = 0
+        self._busy_s = 0.0
+        self._busy_since: float | None = None
+        self.rates: dict[int, tuple[float, float]] = {}
         # One thread per worker: each batch runs whole on one thread (the encoder and FAISS
         # parallelise inside a call with their per-worker thread count).
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="retrieve",
@@ -251,6 +282,8 @@ class MicroBatcher:
         token = object()
         if self._running:  # this batch and every one running now overlap
             self._overlapped.update(self._running, (token,))
+        else:
+            self._busy_since = time.monotonic()
         self._running.add(token)
         try:
             results, share, wall = await loop.run_in_executor(self._executor, self._timed,
@@ -264,6 +297,10 @@ class MicroBatcher:
             self._running.discard(token)
             overlapped = token in self._overlapped
             self._overlapped.discard(token)
+            if not self._running and self._busy_since is not None:
+                self._busy_s += time.monotonic() - self._busy_since
+                self._busy_since = None
+        self._served += len(queries)
         self._adapt(share if overlapped else None)
         if self._on_batch is not None:
             self._on_batch(len(queries), wall)
@@ -274,13 +311,36 @@ class MicroBatcher:
             if not item.future.done():
                 item.future.set_result(part)
 
+    def _serving_rate(self, now: float) -> tuple[float | None, float]:
+        """(queries/s while a batch was running, over at least MIN_RATE_WINDOW_S; else None),
+        and the busy seconds, for the window since the limit last changed."""
+        busy = self._busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
+        if busy < MIN_RATE_WINDOW_S:
+            return None, busy
+        return self._served / busy, busy
+
     def _adapt(self, cpu_share: float | None) -> None:
         now = time.monotonic()
         if cpu_share is not None:
             self._shares.append(cpu_share)
-        limit = next_limit(self.limit, self._workers, self._shares, now - self._limit_changed)
+        served, busy = self._serving_rate(now)
+        if served is not None and busy >= MAX_RATE_WINDOW_S:  # a new window, same limit
+            self.rates[self.limit] = (served, now)
+            self._served, self._busy_s = 0, 0.0
+            self._busy_since = now if self._running else None
+        below = self.rates.get(self.limit - 1)
+        below_per_s = below[0] if below is not None and now - below[1] <= RATE_STALE_S else None
+        limit = next_limit(self.limit, self._workers, self._shares, now - self._limit_changed,
+                           served, below_per_s)
         if limit != self.limit:
-            log.debug("micro-batches at once: %d -> %d (core shares of overlapping batches: %s)",
-                      self.limit, limit, " ".join(f"{x:.2f}" for x in self._shares))
+            log.debug("micro-batches at once: %d -> %d (core shares of overlapping batches: %s;"
+                      " served %s q/s, %s q/s at %d)", self.limit, limit,
+                      " ".join(f"{x:.2f}" for x in self._shares),
+                      "?" if served is None else f"{served:.0f}",
+                      "?" if below_per_s is None else f"{below_per_s:.0f}", self.limit - 1)
+            if served is not None:
+                self.rates[self.limit] = (served, now)
             self.limit, self._limit_changed = limit, now
             self._shares.clear()
+            self._served, self._busy_s = 0, 0.0
+            self._busy_since = now if self._running else None

@@ -20,6 +20,7 @@ import pytest
 
 from services.retriever.batcher import (
     CONTENDED_CPU_SHARE,
+    FASTER_BY,
     PROBE_AFTER_S,
     MicroBatcher,
     next_limit,
@@ -40,6 +41,17 @@ def test_next_limit_drops_on_contention_and_probes_back():
     assert next_limit(1, 2, [], PROBE_AFTER_S) == 2  # a core may have come free
     assert next_limit(2, 2, [], 100.0) == 2  # never above the workers
     assert next_limit(3, 8, [high, high], 100.0) == 4
+
+
+def test_a_contended_limit_stays_when_it_serves_more_than_the_one_below():
+    """Time-sharing cores is a loss only if fewer batches at once would serve as much."""
+    low = CONTENDED_CPU_SHARE - 0.2
+    assert next_limit(2, 2, [low, low], 0.0, None, None) == 1  # nothing to compare: drop
+    assert next_limit(2, 2, [low, low], 0.0, None, 400.0) == 2  # measure this limit first
+    faster = 400.0 * (1 + FASTER_BY) + 1
+    assert next_limit(2, 2, [low, low], 0.0, faster, 400.0) == 2
+    assert next_limit(2, 2, [low, low], 0.0, 400.0 * (1 + FASTER_BY), 400.0) == 1
+    assert next_limit(2, 2, [low, low], 0.0, 300.0, 400.0) == 1
 
 
 def _run(coro):
@@ -155,6 +167,55 @@ def test_workers_sharing_one_core_fall_back_to_one_then_probe_again():
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert 1 in seen[:-1], seen  # two workers on one CPU got about half of it each
     assert seen[-1] == 2, seen
+
+
+HALF_WAITING = f"""
+import asyncio, hashlib, json, os, sys, time
+sys.path.insert(0, {str(REPO)!r})
+os.sched_setaffinity(0, {{0}})  # one CPU: two batches at once time-share it
+import services.retriever.batcher as B
+B.PROBE_AFTER_S, B.MIN_RATE_WINDOW_S = 0.5, 0.3
+DATA = b"x" * (12 << 20)
+
+def fn(queries, topks):
+    hashlib.sha256(DATA).digest()  # CPU work without the GIL, as torch's is ...
+    time.sleep(0.03)  # ... then a wait that needs no CPU, in which the other batch computes
+    return queries
+
+async def client(batcher, stop):
+    while time.monotonic() < stop:
+        await batcher.submit(["q"], 1)
+
+async def main():
+    batcher = B.MicroBatcher(fn, max_batch=1, max_wait_s=0, workers=2)
+    batcher.start()
+    stop = time.monotonic() + 8.0
+    tasks = [asyncio.ensure_future(client(batcher, stop)) for _ in range(4)]
+    seen = []
+    while time.monotonic() < stop:
+        await asyncio.sleep(0.05)
+        seen.append(batcher.limit)
+    await asyncio.gather(*tasks)
+    await batcher.stop()
+    print(json.dumps({{"seen": seen, "rates": {{k: v[0] for k, v in batcher.rates.items()}}}}))
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")
+def test_batches_that_time_share_a_core_but_serve_more_keep_running_together():
+    """Two batches on one CPU, each half computing and half waiting: they get under
+    CONTENDED_CPU_SHARE of it while computing side by side, yet serve more than one at a time
+    (the other computes while one waits). The limit settles at 2 after measuring both."""
+    out = subprocess.run([sys.executable, "-c", HALF_WAITING], capture_output=True, text=True,
+                         timeout=120, check=True)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    seen, rates = report["seen"], report["rates"]
+    assert rates.get("1") and rates.get("2"), report
+    assert rates["2"] > rates["1"] * (1 + FASTER_BY), report
+    late = seen[len(seen) // 2:]
+    assert late.count(2) >= 0.8 * len(late), report
 
 
 def test_encoder_gives_the_same_vectors_from_several_threads(flat_searcher):
