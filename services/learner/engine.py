@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from services.common.config.learner import LearnerSection
+from services.learner.op_build_watch import watch_build_locks
 
 log = logging.getLogger("forage.learner.engine")
 
@@ -194,6 +195,14 @@ class TrainEngine:
         self.export_group_bytes = export_group_bytes
         self.export_groups = 0  # gathers done by the last full_state_dict (ZeRO-3)
         params = [p for p in model.parameters() if p.requires_grad]
+        with watch_build_locks():  # DeepSpeed may JIT-build C++ ops here, behind lock files
+            self._initialize(model, params, cfg, lr, total_steps, device, warmup_ratio,
+                             updates_per_step, deepspeed)
+        self._norm = float("nan")
+
+    def _initialize(self, model: torch.nn.Module, params: list, cfg: LearnerSection, lr: float,
+                    total_steps: int, device: torch.device, warmup_ratio: float | None,
+                    updates_per_step: int, deepspeed: Any) -> None:
         if cfg.optimizer == "cpu_adam":
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -214,7 +223,6 @@ class TrainEngine:
             config=ds_config(cfg, self.bf16),
             dist_init_required=False,
         )
-        self._norm = float("nan")
 
     @property
     def module(self) -> torch.nn.Module:

@@ -1,0 +1,65 @@
+"""A learner waiting on a DeepSpeed C++ op build lock says so in its log (op_build_watch.py):
+a lock left by a killed build used to hang the learner with nothing in its log."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from services.learner.op_build_watch import held_locks, lock_message
+
+REPO = Path(__file__).resolve().parents[2]
+
+SCRIPT = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+import services.learner.op_build_watch as W
+W.FIRST_WARNING_S, W.REPEAT_S = 1.0, 2.0
+from services.common.config.learner import LearnerSection
+from services.learner.trainer import PolicyTrainer
+PolicyTrainer(sys.argv[1], LearnerSection(lr=1e-3))
+print("engine ready", file=sys.stderr, flush=True)
+"""
+
+
+def test_held_locks_are_found_with_their_age(tmp_path) -> None:
+    (tmp_path / "cpu_adam").mkdir()
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    os.utime(lock, (time.time() - 300, time.time() - 300))
+    [(found, age)] = held_locks(tmp_path)
+    assert found == lock and 299 <= age < 330
+    message = lock_message(found, age)
+    assert "'deepspeed_shm_comm'" in message and str(lock) in message and "delete" in message
+
+
+def test_a_learner_behind_a_stale_build_lock_says_so(tiny_policy, tmp_path) -> None:
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"  # as a killed build leaves it
+    lock.parent.mkdir()
+    lock.touch()
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), PYTHONPATH=str(REPO),
+               OMP_NUM_THREADS="1")
+    process = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tiny_policy)], env=env,
+                               stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        assert process.stderr is not None
+        while time.monotonic() < deadline:
+            line = process.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "waiting for the build lock" in line:
+                break
+    finally:
+        process.kill()
+        process.wait()
+    said = "".join(lines)
+    assert "engine ready" not in said  # it really was held up by the lock
+    assert "waiting for the build lock of the C++ op 'deepspeed_shm_comm'" in said, said[-3000:]
+    assert str(lock) in said
