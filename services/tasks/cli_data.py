@@ -7,6 +7,7 @@ import json
 import sys
 
 from services.common.cli_args import add_config_args, config_from_args
+from services.common.stdio import result_stdout
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -73,19 +74,20 @@ def _synth(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     setup_logging("tasks", cfg.run_id, cfg.log_level)
-    summary = synthesize(
-        args.out,
-        seed=cfg.data.seed if args.seed is None else args.seed,
-        size=args.size or cfg.data.synth_size,
-        hard=cfg.data.synth_hard if args.hard is None else args.hard,
-        sft=not args.no_sft,
-        sft_mix=args.sft_mix or cfg.data.sft_mix,
-        sft_topk=args.sft_topk or cfg.data.sft_topk,
-        index_type=args.index_type,
-        encoder=args.encoder,
-        show_progress=not args.quiet,
-        sft_heldout=args.sft_heldout,
-    )
+    with result_stdout():  # libraries' prints go to stderr: stdout is the JSON alone
+        summary = synthesize(
+            args.out,
+            seed=cfg.data.seed if args.seed is None else args.seed,
+            size=args.size or cfg.data.synth_size,
+            hard=cfg.data.synth_hard if args.hard is None else args.hard,
+            sft=not args.no_sft,
+            sft_mix=args.sft_mix or cfg.data.sft_mix,
+            sft_topk=args.sft_topk or cfg.data.sft_topk,
+            index_type=args.index_type,
+            encoder=args.encoder,
+            show_progress=not args.quiet,
+            sft_heldout=args.sft_heldout,
+        )
     print(json.dumps(summary, indent=1))
     return 0
 

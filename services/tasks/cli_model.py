@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.cli_args import add_config_args, config_from_args
+from services.common.stdio import result_stdout
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -82,12 +83,13 @@ def init_policy(data_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str
 
 def _init(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    info = init_policy(
-        args.data,
-        args.out,
-        preset=args.preset or cfg.model.init_preset,
-        seed=cfg.model.init_seed if args.seed is None else args.seed,
-        vocab_size=args.vocab_size or cfg.model.init_vocab_size,
-    )
+    with result_stdout():  # libraries' prints go to stderr: stdout is the JSON alone
+        info = init_policy(
+            args.data,
+            args.out,
+            preset=args.preset or cfg.model.init_preset,
+            seed=cfg.model.init_seed if args.seed is None else args.seed,
+            vocab_size=args.vocab_size or cfg.model.init_vocab_size,
+        )
     print(json.dumps(info, indent=1))
     return 0
