@@ -195,34 +195,29 @@ class TrainEngine:
         self.export_group_bytes = export_group_bytes
         self.export_groups = 0  # gathers done by the last full_state_dict (ZeRO-3)
         params = [p for p in model.parameters() if p.requires_grad]
-        with watch_build_locks():  # DeepSpeed may JIT-build C++ ops here, behind lock files
-            self._initialize(model, params, cfg, lr, total_steps, device, warmup_ratio,
-                             updates_per_step, deepspeed)
+        # DeepSpeed may JIT-build C++ ops (cpu_adam, shm_comm) here, behind lock files.
+        with watch_build_locks():
+            if cfg.optimizer == "cpu_adam":
+                from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+                optimizer = DeepSpeedCPUAdam(
+                    params, lr=lr, betas=cfg.betas, weight_decay=cfg.weight_decay, adamw_mode=True
+                )
+            else:
+                optimizer = torch.optim.AdamW(
+                    params, lr=lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+                )
+            lr_factor = lr_multiplier(cfg, total_steps, warmup_ratio, updates_per_step)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+            model.to(device)
+            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=model,
+                optimizer=optimizer,
+                lr_scheduler=scheduler,
+                config=ds_config(cfg, self.bf16),
+                dist_init_required=False,
+            )
         self._norm = float("nan")
-
-    def _initialize(self, model: torch.nn.Module, params: list, cfg: LearnerSection, lr: float,
-                    total_steps: int, device: torch.device, warmup_ratio: float | None,
-                    updates_per_step: int, deepspeed: Any) -> None:
-        if cfg.optimizer == "cpu_adam":
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-            optimizer = DeepSpeedCPUAdam(
-                params, lr=lr, betas=cfg.betas, weight_decay=cfg.weight_decay, adamw_mode=True
-            )
-        else:
-            optimizer = torch.optim.AdamW(
-                params, lr=lr, betas=cfg.betas, weight_decay=cfg.weight_decay
-            )
-        lr_factor = lr_multiplier(cfg, total_steps, warmup_ratio, updates_per_step)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-        model.to(device)
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model,
-            optimizer=optimizer,
-            lr_scheduler=scheduler,
-            config=ds_config(cfg, self.bf16),
-            dist_init_required=False,
-        )
 
     @property
     def module(self) -> torch.nn.Module:

@@ -319,15 +319,21 @@ class MicroBatcher:
             return None, busy
         return self._served / busy, busy
 
+    def _close_window(self, served: float | None, now: float) -> None:
+        """Record the current limit's serving rate (when measured long enough) and start a
+        new measurement window."""
+        if served is not None:
+            self.rates[self.limit] = (served, now)
+        self._served, self._busy_s = 0, 0.0
+        self._busy_since = now if self._running else None
+
     def _adapt(self, cpu_share: float | None) -> None:
         now = time.monotonic()
         if cpu_share is not None:
             self._shares.append(cpu_share)
         served, busy = self._serving_rate(now)
         if served is not None and busy >= MAX_RATE_WINDOW_S:  # a new window, same limit
-            self.rates[self.limit] = (served, now)
-            self._served, self._busy_s = 0, 0.0
-            self._busy_since = now if self._running else None
+            self._close_window(served, now)
         below = self.rates.get(self.limit - 1)
         below_per_s = below[0] if below is not None and now - below[1] <= RATE_STALE_S else None
         limit = next_limit(self.limit, self._workers, self._shares, now - self._limit_changed,
@@ -338,9 +344,6 @@ class MicroBatcher:
                       " ".join(f"{x:.2f}" for x in self._shares),
                       "?" if served is None else f"{served:.0f}",
                       "?" if below_per_s is None else f"{below_per_s:.0f}", self.limit - 1)
-            if served is not None:
-                self.rates[self.limit] = (served, now)
+            self._close_window(served, now)
             self.limit, self._limit_changed = limit, now
             self._shares.clear()
-            self._served, self._busy_s = 0, 0.0
-            self._busy_since = now if self._running else None
