@@ -151,3 +151,24 @@ def test_synth_is_deterministic_without_sft(demo: dict, tmp_path: Path) -> None:
     for name in ("train.parquet", "test.parquet"):
         assert load_rows(tmp_path / name) == load_rows(demo["dir"] / name)
     assert not (tmp_path / "sft.parquet").exists()
+
+
+def test_demo_config_demonstrations_guess_more_than_they_search_well(tmp_path: Path) -> None:
+    """The demo's world, built as `forage demo` builds it (configs/demo.yaml), holds more
+    guessing demonstrations than good ones (issue 15): a warm start that already prefers
+    searching leaves RL little to raise on many worlds (bench/README.md, "Where the strong warm
+    starts go wrong")."""
+    config = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
+    done = subprocess.run(
+        [*FORAGE, "data", "synth", "--out", str(tmp_path), "--config", str(config),
+         "--set", "data.seed=2", "--sft-topk", "1", "--quiet"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    counts = json.loads(done.stdout)["sft"]["strategies"]
+    total = sum(counts.values())
+    assert abs(counts["good"] / total - 0.3) < 0.06, counts
+    assert abs(counts["guess"] / total - 0.4) < 0.06, counts
+    assert counts["guess"] > counts["good"], counts
+    rows = load_rows(tmp_path / "sft.parquet", kind="sft")
+    assert sum(r["extra_info"]["strategy"] == "guess" for r in rows) == counts["guess"]
