@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.forage-installed
 TORCH_CPU := torch==2.13.0
 
-.PHONY: install test test-fast lint demo bench proto clean browser
+.PHONY: install test test-fast lint demo bench proto clean browser gpu-wheelhouse
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,10 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/forage demo
+
+# The wheels bench/gpu/run.sh installs on a GPU machine (bench/gpu/wheels.txt; bench/README.md).
+gpu-wheelhouse: $(STAMP)
+	$(BIN)/python bench/gpu/wheelhouse.py
 
 proto: $(STAMP)
 	$(BIN)/python -m services.common.proto_build

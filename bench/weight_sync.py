@@ -26,7 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _state_dict(size_mb: int):
+def _state_dict(size_mb: int, device: str = "cpu"):
+    """Transformer-like bf16 tensors of `size_mb` in all, on `device` (random bits made on the
+    CPU, so every device gets the same values)."""
     import torch
 
     generator = torch.Generator().manual_seed(0)
@@ -45,24 +47,29 @@ def _state_dict(size_mb: int):
             shape = (rows, shape[-1]) if len(shape) == 2 else (min(shape[0], numel),)
             t = torch.empty(shape, dtype=torch.bfloat16)
             t.view(torch.int16).random_(-(2**15), 2**15 - 1, generator=generator)
-            tensors[f"layers.{layer}.{name}"] = t
+            tensors[f"layers.{layer}.{name}"] = t.to(device)
             total -= t.numel() * 2
         layer += 1
     return tensors
 
 
-def _learner(size_mb: int, chunk_bytes: int, checksum: str, conn) -> None:
+def _learner(size_mb: int, chunk_bytes: int, checksum: str, conn, device: str = "cpu") -> None:
+    """The learner's side: publish the state dict (from `device`) and serve its bytes on TCP.
+    On CUDA the TCP baseline serves a host copy made beforehand, so only the gRPC side pays
+    the device-to-host copy (inside `publish`, timed separately)."""
     import torch
 
     from services.common.weight_sync import WeightSyncServer
     from services.common.weight_sync.wire import as_bytes
 
     torch.set_num_threads(1)
-    state = _state_dict(size_mb)
+    state = _state_dict(size_mb, device)
     server = WeightSyncServer(chunk_bytes=chunk_bytes, checksum_algo=checksum).start()
+    started = time.perf_counter()
     server.publish(state, version=1)
+    publish_s = time.perf_counter() - started
     listener = socket.create_server(("127.0.0.1", 0))
-    views = [as_bytes(t) for t in state.values()]
+    views = [as_bytes(t.cpu()) for t in state.values()]
 
     def serve_tcp() -> None:
         while True:
@@ -75,7 +82,7 @@ def _learner(size_mb: int, chunk_bytes: int, checksum: str, conn) -> None:
                     sock.sendall(view)
 
     threading.Thread(target=serve_tcp, daemon=True).start()
-    conn.send((server.port, listener.getsockname()[1], sum(len(v) for v in views)))
+    conn.send((server.port, listener.getsockname()[1], sum(len(v) for v in views), publish_s))
     conn.recv()  # wait for "stop"
     listener.close()
     server.stop(0)
@@ -98,35 +105,28 @@ def _tcp_fetch(port: int, total: int, buffer: memoryview) -> float:
     return time.perf_counter() - started
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size-mb", type=int, default=1024)
-    parser.add_argument("--chunk-mb", type=float, default=4.0)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--checksum", default=None,
-                        help="xxh3_64 | sha256 | sha1 | blake2b | crc32 (default: the server's, xxh3_64)")
-    parser.add_argument("--hash-thread", choices=("auto", "on", "off"), default="auto",
-                        help="checksum on a helper thread (auto: with 4+ cores)")
-    args = parser.parse_args()
-
+def measure(size_mb: int = 1024, chunk_mb: float = 4.0, repeats: int = 3,
+            checksum: str | None = None, hash_thread: bool | None = None,
+            device: str = "cpu") -> dict[str, float]:
+    """gRPC fetch vs TCP copy of a `size_mb` bf16 state dict published from `device`; on CUDA
+    also the time to load the fetched tensors back onto the device (a replica's next step)."""
     import numpy as np
     import torch
 
     from services.common.weight_sync import WeightSyncClient, wire
 
-    checksum = args.checksum or wire.DEFAULT_CHECKSUM
-
+    checksum = checksum or wire.DEFAULT_CHECKSUM
     torch.set_num_threads(1)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    chunk_bytes = int(args.chunk_mb * (1 << 20))
+    chunk_bytes = int(chunk_mb * (1 << 20))
     learner = ctx.Process(
-        target=_learner, args=(args.size_mb, chunk_bytes, checksum, child)
+        target=_learner, args=(size_mb, chunk_bytes, checksum, child, device)
     )
     learner.start()
+    load_s = None
     try:
-        grpc_port, tcp_port, total = parent.recv()
-        hash_thread = {"auto": None, "on": True, "off": False}[args.hash_thread]
+        grpc_port, tcp_port, total, publish_s = parent.recv()
         client = WeightSyncClient(f"127.0.0.1:{grpc_port}", max_message_bytes=1 << 30,
                                   hash_thread=hash_thread)
         # The first large allocation of a fresh process pays first-touch page faults (1+ s per
@@ -135,13 +135,21 @@ def main() -> None:
         warm[::4096] = 1
         del warm
         grpc_best = tcp_best = float("inf")
-        for attempt in range(args.repeats):
+        for attempt in range(repeats):
             def run_grpc() -> tuple[float, int]:
+                nonlocal load_s
                 faults = _minor_faults()
                 started = time.perf_counter()
                 version, tensors = client.fetch()
                 elapsed = time.perf_counter() - started
                 assert sum(t.numel() * t.element_size() for t in tensors.values()) == total
+                if device != "cpu":
+                    started = time.perf_counter()
+                    on_device = [t.to(device, non_blocking=True) for t in tensors.values()]
+                    torch.cuda.synchronize()
+                    load = time.perf_counter() - started
+                    load_s = load if load_s is None else min(load_s, load)
+                    del on_device
                 return elapsed, _minor_faults() - faults
 
             def run_tcp() -> tuple[float, int]:
@@ -165,11 +173,33 @@ def main() -> None:
         if learner.is_alive():
             learner.terminate()
     grpc_rate, tcp_rate = total / grpc_best, total / tcp_best
-    print(f"size {total / 2**20:.0f} MiB bf16, chunk {args.chunk_mb} MiB, {checksum}: "
+    print(f"size {total / 2**20:.0f} MiB bf16 from {device}, chunk {chunk_mb} MiB, {checksum}: "
           f"gRPC fetch {grpc_rate / 1e9:.2f} GB/s, TCP copy {tcp_rate / 1e9:.2f} GB/s")
+    figures = {"bytes": float(total), "grpc_gb_per_s": grpc_rate / 1e9,
+               "tcp_gb_per_s": tcp_rate / 1e9, "ratio": grpc_rate / tcp_rate,
+               "publish_s": publish_s, "checksum": checksum}
+    if load_s is not None:
+        figures["load_to_device_s"] = load_s
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=int, default=1024)
+    parser.add_argument("--chunk-mb", type=float, default=4.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--checksum", default=None,
+                        help="xxh3_64 | sha256 | sha1 | blake2b | crc32 (default: the server's, xxh3_64)")
+    parser.add_argument("--hash-thread", choices=("auto", "on", "off"), default="auto",
+                        help="checksum on a helper thread (auto: with 4+ cores)")
+    parser.add_argument("--device", default="cpu", help="where the learner's tensors live")
+    args = parser.parse_args()
+    hash_thread = {"auto": None, "on": True, "off": False}[args.hash_thread]
+    figures = measure(args.size_mb, args.chunk_mb, args.repeats, args.checksum, hash_thread,
+                      args.device)
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"load average: {load} on {os.cpu_count()} cores")
-    print(f"ratio: {grpc_rate / tcp_rate:.2f}")
+    print(f"ratio: {figures['ratio']:.2f}")
 
 
 if __name__ == "__main__":

@@ -30,11 +30,15 @@ def _env() -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def quick_demo(tmp_path_factory, redis_url):
-    out = tmp_path_factory.mktemp("demo") / "run"
+    """`forage demo --quick`, run the way the GPU check's demo part runs it (bench/gpu/
+    demo_part.py: the same command plus `--fresh --set rollout.device=cpu`, its console passed
+    through), so one run checks the demo and that part's report."""
+    base = tmp_path_factory.mktemp("demo")
+    out, part_out = base / "run", base / "gpu-check"
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "demo", "--quick", "--out",
-                           str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "demo_part.py"),
+                           "--dry-run", "--out", str(part_out), "--run-dir", str(out)],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
     wall = time.monotonic() - started
     return out, proc, wall
 
@@ -90,6 +94,17 @@ def test_quick_demo_runs_every_service_and_writes_a_report(quick_demo, redis_url
     assert "checks the plumbing at toy size" in proc.stdout and "does not learn" in proc.stdout
     assert (out / "report" / "index.html").is_file()
     print(f"quick demo wall time: {wall:.0f}s")
+
+
+def test_gpu_check_demo_part_reports_the_run(quick_demo):
+    out, proc, _ = quick_demo
+    report = json.loads((out.parent / "gpu-check" / "demo.json").read_text())
+    assert report["ok"] and report["error"] is None, report
+    (result,) = report["results"]
+    assert result["exit_code"] == 0 and result["steps"] == 4
+    assert result["rollout_device"] == "cpu" and result["em_before"] is not None
+    assert set(result["phases_s"]) >= {"world_s", "policy_s", "sft_s", "rl_s"}
+    assert "--quick" in report["command"] and report["run_dir"] == str(out)
 
 
 def _up(config: Path, log: Path) -> subprocess.Popen:

