@@ -10,7 +10,9 @@ retriever_part.py), its encoder too, as `forage demo` configures it.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -43,10 +45,24 @@ def main(argv: list[str] | None = None) -> int:
                      "--out", str(run_dir), "--set", f"rollout.device={device}"]
         report.set(command=" ".join(argv_demo[1:]), run_dir=str(run_dir))
         started = time.perf_counter()
-        proc = subprocess.run(argv_demo, cwd=REPO, capture_output=True, text=True)
+        # The console goes through as it comes (to run.log under run.py) and its tail into the
+        # report; a SIGTERM at the part's time limit still writes the report (finally below).
+        signal.signal(signal.SIGTERM, _stop)
+        console: collections.deque[str] = collections.deque(maxlen=40)
+        proc = subprocess.Popen(argv_demo, cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+        try:
+            for line in proc.stdout:
+                print(line, end="", flush=True)
+                console.append(f"{time.perf_counter() - started:6.1f}s {line.rstrip()}")
+            proc.wait()
+        finally:
+            report.set(console_tail=list(console), log_tails=_log_tails(run_dir / "logs"),
+                       wall_s_demo=round(time.perf_counter() - started, 1))
+            if proc.poll() is None:
+                proc.terminate()
         wall = time.perf_counter() - started
-        console = (proc.stdout + proc.stderr).splitlines()
-        print("\n".join(console), flush=True)
+        console = list(console)
         summary_path = run_dir / "report" / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
         demo_info = run_dir / "demo.json"
@@ -59,8 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {"exit_code": proc.returncode, "wall_s": round(wall, 1), "phases_s": phases,
                   "steps": summary.get("steps"), "em_before": summary.get("em_before"),
                   "em_after": summary.get("em_after"), "rollout_device": device,
-                  "bf16_learner_seen_in_log": on_cuda,
-                  "console_tail": console[-25:]}
+                  "bf16_learner_seen_in_log": on_cuda}
         say(f"demo: exit {proc.returncode} in {wall:.0f}s, steps {summary.get('steps')}")
         report.add(result)
         if proc.returncode != 0:
@@ -68,12 +83,24 @@ def main(argv: list[str] | None = None) -> int:
                              + " | ".join(console[-8:]))
         elif not summary:
             report.set(error=f"forage demo --quick wrote no {summary_path}")
-    except Exception as exc:
+    except BaseException as exc:  # SystemExit at the time limit too: say so in the report
         report.set(error=f"{type(exc).__name__}: {exc}"[:4000])
         raise
     finally:
         report.finish()
     return 0
+
+
+def _stop(signum, frame) -> None:
+    raise SystemExit(f"stopped by signal {signum}")
+
+
+def _log_tails(logs: Path, lines: int = 12) -> dict[str, list[str]]:
+    """The last lines of each phase's and service's log: where a slow or stuck run was."""
+    if not logs.is_dir():
+        return {}
+    return {path.name: path.read_text(errors="replace").splitlines()[-lines:]
+            for path in sorted(logs.glob("*.log"))}
 
 
 if __name__ == "__main__":

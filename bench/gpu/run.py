@@ -119,9 +119,10 @@ def headline_rows(part: dict) -> list[tuple[str, str]]:
                          f"gRPC {r['grpc_gb_per_s']:.2f} GB/s vs TCP {r['tcp_gb_per_s']:.2f} "
                          f"GB/s (ratio {r['ratio']:.2f}), publish {r['publish_s']:.2f}s{load}"))
         elif name == "retriever":
+            both = r.get("encode_and_search_qps")
             rows.append((f"retriever encoder on {r['encoder_device']} ({r['encoder_dtype']})",
-                         f"encode {r['encode_qps']:,.0f} q/s, encode+search "
-                         f"{r['encode_and_search_qps']:,.0f} q/s"))
+                         f"encode {r['encode_qps']:,.0f} q/s"
+                         + (f", encode+search {both:,.0f} q/s" if both else "")))
         elif name == "demo":
             rows.append(("forage demo --quick", f"exit {r['exit_code']}, {r['wall_s']}s, "
                                                 f"steps {r.get('steps')}"))
