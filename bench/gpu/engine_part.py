@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
         report.set(device=device_facts().get("device"))
         shape = "toy" if args.dry_run else "qwen2.5-0.5b"
-        settings = [(4, 8, 1)] if args.dry_run else [(32, 128, 2)]
+        settings = [(4, 8, 1)] if args.dry_run else [(16, 128, 2)]
         torch.manual_seed(0)
         device = torch_device()
         model_dir = shaped_model(shape)

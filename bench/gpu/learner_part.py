@@ -130,6 +130,8 @@ def run_setting(model_dir: Path, shape: str, zero: int, checkpointing: bool, sam
             "tokens_computed": int(metrics.get("tokens_computed", 0)),
             "build_s": round(build_s, 2),
             "peak_memory_gib": peak_memory_gib(),
+            # What earlier settings left allocated in this process (DeepSpeed keeps some of a
+            # deleted engine's memory): the setting's own peak is peak - before.
             "memory_before_gib": None if before is None else round(before, 2),
             "loss_finite": bool(np.isfinite(metrics.get("pg_loss", metrics.get("loss", 0.0)))),
             "grad_norm": metrics.get("grad_norm"),
