@@ -17,10 +17,13 @@ def register(parser: argparse.ArgumentParser) -> None:
 
     build = commands.add_parser(
         "build-index", help="build a FAISS or BM25 index of a JSON Lines corpus",
-        description="Embed a corpus (id+contents or id+title+text per line) and build an index "
-        "directory that `serve` loads. A rerun with the same inputs reuses the work.",
+        description="Embed a corpus (id+contents or id+title+text per line, plain or gzipped) "
+        "and build an index directory that `serve` loads. A rerun with the same inputs reuses "
+        "the work.",
     )
-    build.add_argument("--corpus", required=True, help="corpus, JSON Lines")
+    build.add_argument("--corpus", required=True,
+                       help="corpus, JSON Lines (.jsonl, or gzipped .jsonl.gz, read as it is "
+                       "decompressed)")
     build.add_argument("--out", required=True, help="index directory to create or update")
     build.add_argument("--index", dest="index_type", default="flat", choices=INDEX_CHOICES,
                        help="index type (flat: exact; hnsw/ivf: approximate; bm25: lexical)")

@@ -1,23 +1,33 @@
 """Corpus input: JSON Lines read one row at a time, normalised to Search-R1's row shape.
 
 A corpus can be wiki-18 sized (21M passages, ~14 GB), so nothing here holds more than one
-line in memory. Rows come as `id` + `contents` (Search-R1's format) or `id` + `title` + `text`
-(FlashRAG / BEIR style); both become `{"id": str, "contents": str, ...extra fields}` because
-that is what a Search-R1 client reads back from /retrieve.
+line in memory. It may be gzipped (Search-R1 ships `wiki-18.jsonl.gz`): `CorpusFile` is the one
+way the corpus is opened, and it decompresses as it reads, so a gzipped corpus is never
+unpacked into memory or onto disk. Rows come as `id` + `contents` (Search-R1's format) or
+`id` + `title` + `text` (FlashRAG / BEIR style); both become
+`{"id": str, "contents": str, ...extra fields}` because that is what a Search-R1 client reads
+back from /retrieve.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import IO, Any
 
 from services.common.formats import corpus_contents
 
 _HASH_BLOCK = 8 * 1024 * 1024
+GZIP_MAGIC = b"\x1f\x8b"
+# What Python's gzip module raises on a damaged stream: a bad header or CRC (BadGzipFile),
+# a truncated file (EOFError), corrupt deflate data (zlib.error).
+_GZIP_ERRORS = (gzip.BadGzipFile, EOFError, zlib.error)
 
 
 class CorpusError(ValueError):
@@ -58,13 +68,65 @@ def normalize_row(row: Any, where: str) -> dict[str, Any]:
     return doc
 
 
+class CorpusFile:
+    """The corpus opened for reading: its lines, decompressed on the fly when it is gzipped.
+
+    Every pass over the corpus (the checksum scan, the docstore and embedding pass) opens it
+    here, so a plain and a gzipped copy of the same passages build the same index. A file is
+    gzip when it starts with gzip's magic bytes or is named `.gz`; a `.gz` file that is not
+    gzip, or a damaged or truncated one, raises CorpusError naming the file rather than a
+    traceback from deep inside zlib (the whole file is scanned before a build writes anything,
+    so that is where a bad download shows up).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._raw: IO[bytes] = open(self.path, "rb")  # noqa: SIM115 (closed in close())
+        try:
+            magic = self._raw.read(len(GZIP_MAGIC))
+            self._raw.seek(0)
+        except BaseException:
+            self._raw.close()
+            raise
+        self.gzipped = magic == GZIP_MAGIC or self.path.suffix.lower() == ".gz"
+        self._lines: IO[bytes] = (
+            gzip.GzipFile(fileobj=self._raw, mode="rb") if self.gzipped else self._raw)
+
+    def __iter__(self) -> Iterator[bytes]:
+        """Each line as stored (blank ones too, newline kept), one at a time."""
+        if not self.gzipped:
+            yield from self._lines
+            return
+        try:
+            yield from self._lines
+        except _GZIP_ERRORS as exc:
+            raise CorpusError(f"corpus {self.path}: gzip data is corrupt or truncated "
+                              f"({exc})") from None
+
+    def position(self) -> int:
+        """Bytes of the file read so far (compressed bytes for gzip), for a progress bar."""
+        return self._raw.tell()
+
+    def close(self) -> None:
+        if self._lines is not self._raw:
+            self._lines.close()
+        self._raw.close()
+
+    def __enter__(self) -> CorpusFile:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.close()
+
+
 def iter_lines(path: str | Path, skip: int = 0) -> Iterator[tuple[int, bytes]]:
     """(row number, raw line) for each non-blank line, starting after `skip` rows.
 
     Skipped rows are not parsed, so resuming an interrupted build far into the file is cheap.
     """
     row = 0
-    with open(path, "rb") as handle:
+    with CorpusFile(path) as handle:
         for line in handle:
             if not line.strip():
                 continue
@@ -88,7 +150,12 @@ def iter_corpus(path: str | Path, skip: int = 0) -> Iterator[dict[str, Any]]:
 
 def scan_corpus(path: str | Path, show_progress: bool = False) -> CorpusStats:
     """Checksum and row count in one streaming pass: the key that decides whether a build's
-    earlier work can be reused, and the size the build preallocates its arrays for."""
+    earlier work can be reused, and the size the build preallocates its arrays for.
+
+    The checksum is of the passages' bytes (decompressed, for a gzipped corpus): the content
+    is what the index depends on, so gzipping a corpus does not force a rebuild.
+    `size_bytes` is the file's size on disk.
+    """
     path = Path(path)
     if path.is_dir():
         raise CorpusError(f"corpus {path} is a directory; give the JSONL file of passages "
@@ -103,17 +170,18 @@ def scan_corpus(path: str | Path, show_progress: bool = False) -> CorpusStats:
         from tqdm import tqdm
 
         progress = tqdm(total=size, unit="B", unit_scale=True, desc="scan corpus")
-    pending = 0
-    with open(path, "rb") as handle:
+    pending, shown = 0, 0
+    with CorpusFile(path) as handle:
         for line in handle:
             digest.update(line)
             if line.strip():
                 rows += 1
             pending += len(line)
             if progress is not None and pending >= _HASH_BLOCK:
-                progress.update(pending)
-                pending = 0
+                position = handle.position()
+                progress.update(position - shown)
+                pending, shown = 0, position
     if progress is not None:
-        progress.update(pending)
+        progress.update(size - shown)
         progress.close()
     return CorpusStats(sha256=digest.hexdigest(), rows=rows, size_bytes=size)

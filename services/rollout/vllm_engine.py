@@ -3,7 +3,8 @@
 Written against vLLM's V1 `LLMEngine` (the range pinned in pyproject's `gpu` extra):
 `LLMEngine.from_engine_args(EngineArgs(...))`, `add_request(request_id,
 TokensPrompt(prompt_token_ids=...), SamplingParams(...))`, `step()` returning `RequestOutput`s,
-`collective_rpc(method_name, args=...)` and `reset_prefix_cache(reset_running_requests=...)`.
+`abort_request(request_ids)`, `collective_rpc(method_name, args=...)` and
+`reset_prefix_cache(reset_running_requests=...)`.
 vLLM schedules with continuous batching and paged attention itself, so this class maps
 requests and outputs, and drives weight updates:
 
@@ -19,6 +20,9 @@ requests and outputs, and drives weight updates:
   succeeds stops the replica rather than serve stale KV.
 - A request vLLM rejects (e.g. a prompt longer than `max_model_len`) finishes at once with
   cause "error"; vLLM's "abort" / "error" finish reasons are never reported as EOS.
+- After a failed batch the rollout worker calls `abort_all`, which aborts the live requests in
+  vLLM (their KV blocks are freed at once) instead of generating them to completion only to
+  discard the answers.
 
 With `logprobs_mode="processed_logprobs"` the reported log-probs are those of the distribution
 that was sampled from (temperature/top-k/top-p applied), like the transformers engine's.
@@ -299,6 +303,23 @@ class VLLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self._failed) or bool(self._live)
+
+    def abort_all(self) -> list[GenerationRequest]:
+        """Drop every request (after a failed batch); returns those that were still running.
+
+        The rollout worker resets the engine this way when a batch fails, so the next batch
+        starts clean. Stepping the live requests to completion instead would spend up to
+        `max_tokens` decode steps each on answers nobody reads, with the replica stalled; vLLM's
+        `abort_request` frees their scheduler slots and KV blocks at once. Rejected requests
+        waiting to be reported are dropped too.
+        """
+        keys = list(self._live)
+        if keys:
+            self.llm_engine.abort_request(keys)
+        dropped = [live.request for live in self._live.values()]
+        self._live.clear()
+        self._failed.clear()
+        return dropped
 
     def num_running(self) -> int:
         return min(len(self._live), self.max_batch_size)

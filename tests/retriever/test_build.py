@@ -1,11 +1,15 @@
-"""Index build: manifest, reuse, atomicity, resumption after a kill, CLI failure modes."""
+"""Index build: manifest, reuse, atomicity, resumption after a kill, CLI failure modes,
+gzipped corpora."""
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import logging
 import os
+import random
+import re
 import signal
 import subprocess
 import time
@@ -13,7 +17,7 @@ import time
 import pytest
 
 from services.retriever.build import BuildError, CorpusError, build_index
-from services.retriever.corpus import scan_corpus
+from services.retriever.corpus import CorpusFile, scan_corpus
 from services.retriever.manifest import IndexLoadError, check_index_dir
 from services.retriever.searcher import Searcher
 
@@ -187,3 +191,70 @@ def test_build_cli(small_corpus, tmp_path, tools):
          "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2 and "does not exist" in result.stderr
+
+
+# ------------------------------------------------------------------ gzipped corpora
+
+
+def test_gzipped_corpus_builds_the_same_index_as_the_plain_file(small_corpus, tmp_path):
+    plain_bytes = small_corpus.read_bytes()
+    packed = tmp_path / "small.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain_bytes))
+    plain_dir = build_index(small_corpus, tmp_path / "plain", "bm25", show_progress=False)
+    packed_dir = build_index(packed, tmp_path / "packed", "bm25", show_progress=True)
+    assert (packed_dir / "docs.jsonl").read_bytes() == (plain_dir / "docs.jsonl").read_bytes()
+    manifest = check_index_dir(packed_dir)
+    assert manifest["count"] == 24
+    # the key is the passages' text, so gzipping a corpus does not force a rebuild
+    assert manifest["corpus"]["sha256"] == hashlib.sha256(plain_bytes).hexdigest()
+    assert manifest["corpus"]["bytes"] == packed.stat().st_size
+    queries = ["castle on a hill", "fresh bread and cakes", "telescope stars"]
+    plain_hits = Searcher.load(plain_dir).search(queries, 5)
+    packed_hits = Searcher.load(packed_dir).search(queries, 5)
+    assert packed_hits == plain_hits and all(plain_hits)
+    # gzip is recognised by its magic bytes too, whatever the file is called
+    disguised = tmp_path / "packed.jsonl"
+    disguised.write_bytes(packed.read_bytes())
+    stats, plain_stats = scan_corpus(disguised), scan_corpus(small_corpus)
+    assert (stats.rows, stats.sha256) == (plain_stats.rows, plain_stats.sha256) == (
+        24, hashlib.sha256(plain_bytes).hexdigest())
+
+
+def test_gzipped_corpus_is_read_as_it_is_decompressed(tmp_path):
+    rng = random.Random(0)
+    rows = [json.dumps({"id": i, "contents": rng.randbytes(96).hex()}) for i in range(20000)]
+    path = tmp_path / "big.jsonl.gz"
+    path.write_bytes(gzip.compress(("\n".join(rows) + "\n").encode()))
+    assert path.stat().st_size > 2_000_000  # random text barely compresses
+    with CorpusFile(path) as corpus:
+        first = next(iter(corpus))
+        assert json.loads(first)["id"] == 0
+        assert corpus.position() < path.stat().st_size // 4  # not decompressed up front
+    assert not [p for p in tmp_path.iterdir() if p != path]  # nor unpacked onto disk
+
+
+def test_truncated_or_corrupt_gzip_is_a_one_line_error_naming_the_file(small_corpus, tmp_path,
+                                                                      tools):
+    packed = gzip.compress(small_corpus.read_bytes())
+    truncated = tmp_path / "cut.jsonl.gz"
+    truncated.write_bytes(packed[: len(packed) // 2])
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [tools.forage, "retriever", "build-index", "--corpus", str(truncated), "--out", str(out),
+         "--index", "bm25", "--no-progress"], capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert str(truncated) in line and "truncated" in line
+    assert not out.exists() and not list(tmp_path.glob(".out.partial*"))
+
+    corrupt = bytearray(packed)
+    corrupt[len(corrupt) // 2] ^= 0xFF  # a flipped byte in the deflate stream or the CRC
+    (tmp_path / "flip.jsonl.gz").write_bytes(bytes(corrupt))
+    not_gzip = tmp_path / "plain.jsonl.gz"  # named .gz but never compressed
+    not_gzip.write_bytes(small_corpus.read_bytes())
+    for path in (tmp_path / "flip.jsonl.gz", not_gzip):
+        with pytest.raises(CorpusError, match=re.escape(f"corpus {path}: gzip data is corrupt")):
+            build_index(path, out, "bm25", show_progress=False)
+        assert not out.exists()

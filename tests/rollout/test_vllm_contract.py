@@ -145,6 +145,7 @@ def test_engine_args_and_worker_contract_of_the_installed_vllm(vllm_serial, tiny
     config = load_config(overrides=[f"model.path={tiny_policy_dir}", "rollout.engine=vllm"])
     EngineArgs(**vllm_engine_kwargs(config.rollout, config.model))  # every field exists
     assert "reset_running_requests" in inspect.signature(LLMEngine.reset_prefix_cache).parameters
+    assert "request_ids" in inspect.signature(LLMEngine.abort_request).parameters  # abort_all
     clashes = [a for a in dir(ForageWorkerExtension)
                if not a.startswith("__") and hasattr(Worker, a)]
     assert clashes == []

@@ -3,6 +3,8 @@ prefix-cache reset with retries, and requests vLLM rejects (vLLM itself cannot r
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from prometheus_client import REGISTRY
 
@@ -188,3 +190,120 @@ def test_agent_records_a_rejected_turn_as_an_error_trajectory(tiny_policy_dir):
     assert [t.finish_reason for t in trajectories] == ["error", "error"]
     assert all("maximum model length" in t.error for t in trajectories)
     assert all(len(t.response_ids) == 0 for t in trajectories)
+
+
+# ------------------------------------------------------------------ reset after a failed batch
+
+
+class DecodingLLMEngine:
+    """vLLM's V1 `LLMEngine` request contract, standing in because vLLM cannot run here:
+    `add_request(request_id, prompt, params)`, `step()` advancing every request by one token
+    and returning a `RequestOutput`-shaped object per request (`finished` set on the last),
+    and `abort_request(request_ids: list[str])`, which drops those requests without another
+    output (vllm/v1/engine/llm_engine.py). `lengths` scripts how many tokens the requests take,
+    in the order they arrive; the rest stop at their `max_tokens`."""
+
+    TOKEN = 100
+
+    def __init__(self, lengths: list[int] | None = None) -> None:
+        self.lengths = list(lengths or [])
+        self.requests: dict[str, dict] = {}
+        self.added: list[str] = []
+        self.aborted: list[str] = []
+        self.steps = 0
+
+    def add_request(self, request_id, prompt_ids, max_tokens):
+        length = self.lengths.pop(0) if self.lengths else max_tokens
+        self.requests[request_id] = {"length": min(length, max_tokens), "tokens": []}
+        self.added.append(request_id)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        assert isinstance(request_ids, list), "vLLM takes a list of request ids"
+        self.aborted.extend(request_ids)
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self):
+        self.steps += 1
+        outputs = []
+        for request_id, state in list(self.requests.items()):
+            state["tokens"].append(self.TOKEN)
+            finished = len(state["tokens"]) >= state["length"]
+            completion = SimpleNamespace(
+                finish_reason="length" if finished else None, stop_reason=None,
+                token_ids=list(state["tokens"]), logprobs=[{self.TOKEN: -0.5}] * len(
+                    state["tokens"]))
+            outputs.append(SimpleNamespace(request_id=request_id, finished=finished,
+                                           outputs=[completion]))
+            if finished:
+                del self.requests[request_id]
+        return outputs
+
+
+class StandInVLLMEngine(VLLMEngine):
+    """`_submit` hands the stand-in what it needs in place of vLLM's request types."""
+
+    def _submit(self, key, request):
+        self.llm_engine.add_request(key, list(request.prompt_ids), request.params.max_tokens)
+
+
+class FlakyStreams:
+    """The two stream calls a batch makes; `publish_many` fails while `fail` is set (a group
+    fault, not Redis's: the worker resets its engine and hands the groups back)."""
+
+    def __init__(self) -> None:
+        self.fail = True
+        self.published: list[bytes] = []
+
+    def publish_many(self, stream, payloads):
+        if self.fail:
+            raise ValueError("the stream refused the payload")
+        self.published.extend(payloads)
+        return [str(i) for i in range(len(payloads))]
+
+    def ack(self, stream, ids):
+        return len(ids)
+
+
+def test_a_failed_batch_aborts_live_vllm_requests_and_the_next_batch_runs(tiny_policy_dir):
+    from transformers import AutoTokenizer
+
+    from services.common.codec import decode_as
+    from services.common.trajectory import Trajectory
+    from services.rollout.worker import RolloutWorker
+
+    config = load_config(None, [
+        f"model.path={tiny_policy_dir}", "rollout.use_search=false", "rollout.max_turns=0",
+        "rollout.weight_sync=false", "rollout.max_tokens_per_turn=6",
+        "rollout.max_response_length=6", "rollout.stop_strings=[]"])
+    llm = DecodingLLMEngine(lengths=[2])  # the first request (group "short") ends at step 2
+    engine = StandInVLLMEngine(llm, AutoTokenizer.from_pretrained(str(tiny_policy_dir)),
+                               max_batch_size=8)
+    worker = RolloutWorker(config, engine=engine)
+    streams = FlakyStreams()
+    worker._streams = streams
+    lease = SimpleNamespace(release=lambda ids: None)
+    groups = [(PromptGroup("short", "nq", "question one", {"target": ["x"]}, n=1),
+               SimpleNamespace(id="1-0")),
+              (PromptGroup("long", "nq", "question two", {"target": ["x"]}, n=2),
+               SimpleNamespace(id="2-0"))]
+    try:
+        # "short" finishes at step 2, publishing it fails: the batch fails with "long" running
+        left, error = worker._play_groups(groups, lease)
+        assert isinstance(error, ValueError) and [g.uid for g, _ in left] == ["short", "long"]
+        assert llm.aborted == llm.added[1:] and len(llm.aborted) == 2  # long's two samples
+        assert llm.steps == 2, "the live requests were stepped instead of aborted"
+        assert not engine.has_unfinished() and not llm.has_unfinished_requests()
+
+        streams.fail = False  # the next batch: the same groups again, on the same engine
+        left, error = worker._play_groups(left, lease)
+        assert (left, error) == ([], None)
+        trajectories = [decode_as(p, Trajectory) for p in streams.published]
+        assert sorted(t.uid for t in trajectories) == ["long", "long", "short"]
+        assert all(t.finish_reason != "error" and len(t.response_ids) == 6 for t in trajectories)
+        assert len(llm.aborted) == 2 and llm.steps == 2 + 6
+    finally:
+        worker.loop.close()
