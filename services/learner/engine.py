@@ -24,6 +24,12 @@ Why gather in groups for the export: under ZeRO-3 each rank holds 1/N of every p
 gathering the whole model at once needs the full model in accelerator memory on every rank
 besides the partitions. `full_state_dict` gathers at most `export_group_bytes` of parameters at
 a time (one or a few layers), copies them to CPU and releases them.
+
+Why only rank 0 copies: rank 0 alone serves the weights and writes the Hugging Face checkpoint,
+so a host copy of the whole model on every other rank (as big as the model, each publish) was
+thrown away at once. The other ranks still run every gather, in the same order, because under
+ZeRO-3 they are collectives; they copy nothing. Tied weights are copied once and stay one
+tensor under both names, so the weight-sync server sends them once.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from typing import Any
 import torch
 
 from services.common.config.learner import LearnerSection
+from services.learner import distributed as D
 from services.learner.op_build_watch import watch_build_locks
 
 log = logging.getLogger("forage.learner.engine")
@@ -99,6 +106,24 @@ def _full_bytes(param: torch.Tensor) -> int:
     """Bytes of the whole parameter (ZeRO-3 keeps its full size in `ds_numel`)."""
     numel = int(getattr(param, "ds_numel", param.numel()))
     return numel * param.element_size()
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of `tensor` that owns its memory (training goes on moving the original); one
+    copy from any device, where `.cpu().clone()` copied a device tensor twice."""
+    return tensor.detach().to("cpu", copy=True)
+
+
+def host_copies(entries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`host_copy` of every entry, each distinct tensor object once: names that share one
+    (tied weights) share the copy, as they share the original."""
+    copies: dict[int, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, value in entries.items():
+        if id(value) not in copies:
+            copies[id(value)] = host_copy(value)
+        out[name] = copies[id(value)]
+    return out
 
 
 def warmup_lambda(warmup_steps: int, total_steps: int, schedule: str):
@@ -262,21 +287,33 @@ class TrainEngine:
     def current_lr(self) -> float:
         return float(self.engine.get_lr()[0])
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, keep: bool | None = None) -> dict[str, torch.Tensor]:
         """The model's weights (its state_dict, in the training dtype) on this rank's CPU.
 
-        Under ZeRO-3 every rank must call it (the gathers are collective); parameters are
+        `keep` (default: on rank 0 only, the rank that serves and saves them) says whether this
+        rank wants them; a rank that does not gets {} and makes no host copy. Under ZeRO-3
+        every rank must call it, kept or not (the gathers are collective); parameters are
         gathered `export_group_bytes` at a time, so the device never holds the whole model.
+        Tied names share one CPU tensor.
         """
+        if keep is None:
+            keep = D.rank() == 0
         entries = self.module.state_dict(keep_vars=True)  # name -> Parameter / buffer object
         if self.zero_stage != 3:
             self.export_groups = 0
-            return {k: v.detach().cpu().clone() for k, v in entries.items()}
+            return host_copies(entries) if keep else {}
+        return self._gathered_state_dict(entries, keep)
+
+    def _gathered_state_dict(
+        self, entries: dict[str, torch.Tensor], keep: bool
+    ) -> dict[str, torch.Tensor]:
+        """ZeRO-3: gather the parameters group by group (every rank, same groups in the same
+        order) and, when `keep`, copy each to CPU before it is released."""
         import deepspeed
 
         params: list[torch.nn.Parameter] = []
         names_of: dict[int, list[str]] = {}
-        out: dict[str, torch.Tensor] = {}
+        buffers: dict[str, torch.Tensor] = {}
         for name, value in entries.items():
             if isinstance(value, torch.nn.Parameter):
                 if id(value) not in names_of:  # tied weights: one gather, several names
@@ -284,16 +321,18 @@ class TrainEngine:
                     params.append(value)
                 names_of[id(value)].append(name)
             else:
-                out[name] = value.detach().cpu().clone()  # buffers are not partitioned
+                buffers[name] = value  # buffers are not partitioned
+        out = host_copies(buffers) if keep else {}
         groups = plan_gather_groups([_full_bytes(p) for p in params], self.export_group_bytes)
         for group in groups:
             members = [params[i] for i in group]
             with deepspeed.zero.GatheredParameters(members, modifier_rank=None):
-                for param in members:
-                    for name in names_of[id(param)]:
-                        out[name] = param.detach().cpu().clone()
+                if keep:
+                    for param in members:
+                        copy = host_copy(param)
+                        out.update(dict.fromkeys(names_of[id(param)], copy))
         self.export_groups = len(groups)
-        return {name: out[name] for name in entries}  # state_dict order
+        return {name: out[name] for name in entries} if keep else {}  # state_dict order
 
     def save(self, directory: str, tag: str) -> None:
         """DeepSpeed's sharded model + optimizer + scheduler state (every rank writes its part)."""

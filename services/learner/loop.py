@@ -361,8 +361,8 @@ class LearnerLoop:
                 save_checkpoint(self.trainer, self.ckpt_dir, TrainerState(step=arg),
                                 tokenizer_from=self.cfg.model.path,
                                 keep=self.learner.keep_checkpoints)
-            elif command == CMD_EXPORT:
-                self.trainer.state_dict_for_export()
+            elif command == CMD_EXPORT:  # joins the ZeRO-3 gathers; copies nothing here
+                self.trainer.state_dict_for_export(keep=False)
 
     # ================================================================== streams
 

@@ -503,9 +503,12 @@ class PolicyTrainer:
 
     # ------------------------------------------------------------------------ weights
 
-    def state_dict_for_export(self) -> dict[str, torch.Tensor]:
-        """Full policy weights (ZeRO-3 gathered) on CPU; what the weight-sync server serves."""
-        return self.policy.full_state_dict()
+    def state_dict_for_export(self, keep: bool | None = None) -> dict[str, torch.Tensor]:
+        """Full policy weights (ZeRO-3 gathered) on CPU; what the weight-sync server serves.
+
+        Every rank calls it (ZeRO-3 gathers are collective); only rank 0 (or `keep=True`) gets
+        the weights, other ranks get {} without copying (TrainEngine.full_state_dict)."""
+        return self.policy.full_state_dict(keep)
 
 
 STEP_INDEX_MISSING = ("learner.algorithm.loss_rows=step needs each sample's step_index "

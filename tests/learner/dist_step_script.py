@@ -65,7 +65,9 @@ def main() -> None:
         metrics[case] = step
     state = trainer.state_dict_for_export()
     if D.rank() == 0:
-        save_file({k: v.contiguous() for k, v in state.items()}, f"{out}/weights.safetensors")
+        # clone: the export keeps tied names as one tensor, which save_file refuses to write
+        save_file({k: v.clone(memory_format=torch.contiguous_format) for k, v in state.items()},
+                  f"{out}/weights.safetensors")
         with open(f"{out}/metrics.json", "w") as fh:
             json.dump(metrics, fh)
     D.barrier()

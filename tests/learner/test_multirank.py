@@ -1,6 +1,7 @@
 """2 CPU ranks (gloo, torchrun) give the same updates as 1 rank on the same batches, including
 a batch of one sequence (one rank only runs a dummy pass) and a batch of one GRPO group whose
-prompt each row computes once (learner.shared_prompts)."""
+prompt each row computes once (learner.shared_prompts); and on 2 ranks only rank 0 copies the
+exported weights to the host, while rank 1 still joins every ZeRO-3 gather."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).with_name("dist_step_script.py")
+EXPORT_SCRIPT = Path(__file__).with_name("dist_export_script.py")
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
@@ -48,3 +50,25 @@ def test_two_ranks_equal_one_rank(tiny_policy, tmp_path) -> None:
         assert torch.allclose(value, two[name], atol=2e-5, rtol=1e-4), name
         initial = value
     assert initial is not None
+
+
+def test_only_rank_0_copies_the_export(tiny_policy, tmp_path) -> None:
+    """Rank 1 gets {} and makes no host copy at ZeRO 0, 2 and 3 (where it still runs every
+    grouped gather: had it skipped one, rank 0 would hang in it and the run time out); rank 0
+    gets the same names and values as a whole-model export, tied lm_head as one copy."""
+    stages = (0, 2, 3)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path.cwd()))
+    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node=2", str(EXPORT_SCRIPT),
+           str(tiny_policy), str(tmp_path), ",".join(map(str, stages))]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for stage in stages:
+        first, second = (json.loads((tmp_path / f"export_z{stage}_rank{r}.json").read_text())
+                         for r in (0, 1))
+        assert second["keys"] == [], stage
+        assert second["copies"] == {"host_copy": 0, "clone": 0, "cpu": 0}, stage
+        assert first["keys"] == first["reference_keys"], stage  # same names, same order
+        assert first["equal"] and first["tied_shared"], stage
+        assert first["copies"]["host_copy"] == len(first["keys"]) - 1, stage  # lm_head: shared
+        assert second["groups"] == first["groups"], stage
+    assert first["groups"] >= 4  # ZeRO-3: one gather per decoder layer at least

@@ -6,6 +6,10 @@ checksum (on this thread, or a helper thread where cores are to spare: see check
 Nothing is returned until the stream was complete, in order, consistent with the manifest and
 matched its checksum, so a corrupt, truncated or superseded transfer raises `WeightSyncError`
 and the caller's weights stay as they were.
+
+A name the manifest lists as an alias (`alias_of`: tied weights, sent once) is returned as the
+very tensor it names, so callers see the same names as the learner's state dict; before
+returning, the client checks that every name of the manifest is in the result.
 """
 
 from __future__ import annotations
@@ -237,6 +241,7 @@ class WeightSyncClient:
                 raise WeightSyncError(
                     "checksum", f"{manifest.checksum_algo} of the received bytes is {digest}, "
                     f"server said {final.checksum} (manifest {manifest.checksum or '-'})")
+            _check_complete(manifest, staging)
         except grpc.RpcError as exc:
             raise _rpc_error(exc) from None
         finally:
@@ -262,7 +267,8 @@ def _staging(
     One large numpy allocation gets transparent huge pages (numpy asks for them; torch does
     not): first-touch faults on 4 KiB pages ran at ~0.5 GB/s on the machines measured, slower
     than the transfer itself. The tensors share that buffer; it is freed when all are dropped.
-    Returns the tensors by name and (spec, its uint8 region) for every non-empty tensor.
+    Returns the tensors by name and (spec, its uint8 region) for every non-empty tensor. An
+    alias is the same tensor object as the one it names (check_manifest put that one earlier).
     """
     offsets, total = [], 0
     for spec in layout:
@@ -272,6 +278,9 @@ def _staging(
     tensors: dict[str, torch.Tensor] = {}
     targets: list[tuple[wire.TensorLayout, np.ndarray]] = []
     for spec, offset in zip(layout, offsets, strict=True):
+        if spec.alias_of:
+            tensors[spec.name] = tensors[spec.alias_of]
+            continue
         if spec.nbytes == 0:
             tensors[spec.name] = torch.empty(spec.shape, dtype=spec.dtype)
             continue
@@ -295,3 +304,15 @@ def _check_expected(layout: list[wire.TensorLayout], expect: Mapping[str, torch.
             raise WeightSyncError(
                 "manifest", f"{name}: server has {spec.dtype}{list(spec.shape)}, expected "
                 f"{tensor.dtype}{list(tensor.shape)}")
+
+
+def _check_complete(manifest: pb.Manifest, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Every name the manifest lists, aliases included, is in what fetch returns (and nothing
+    else): a name dropped on the way would leave that weight stale in the caller's model."""
+    listed = {spec.name for spec in manifest.tensors}
+    if listed != tensors.keys():
+        missing = sorted(listed - tensors.keys())
+        extra = sorted(tensors.keys() - listed)
+        raise WeightSyncError(
+            "manifest", f"fetched names differ from the manifest's: missing {missing[:5]}, "
+            f"unexpected {extra[:5]}")

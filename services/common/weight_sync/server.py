@@ -14,6 +14,12 @@ RESOURCE_EXHAUSTED "busy", which the client retries) to leave threads for GetVer
 watchdog cancels a stream whose next chunk has not been accepted for `stall_timeout_s` (a
 client that stopped reading holds its thread only that long).
 
+Tied weights are sent once: when `publish` is given two names for the same memory (a model with
+`tie_word_embeddings` has `lm_head.weight` and `model.embed_tokens.weight` on one storage), the
+first is copied, hashed and streamed, and the manifest lists the second as its alias
+(`alias_of`, no bytes); the client hands back both names as one tensor. The checksum and
+`total_bytes` cover the stream, i.e. what is actually sent.
+
 `publish_lazy` keeps no copy at all: it takes a provider that yields (name, tensor) pairs again
 for every fetch (a ZeRO-3 learner can gather bucket by bucket, a checkpoint can be read from
 disk). The stream's checksum is computed while streaming and sent in the last chunk; when the
@@ -37,6 +43,7 @@ from prometheus_client import Counter, Gauge
 
 from services.common.proto_gen.forage import weight_sync_pb2 as pb
 from services.common.weight_sync import wire
+from services.common.weight_sync.aliases import AliasFinder
 
 log = logging.getLogger("forage.weight_sync")
 
@@ -212,7 +219,8 @@ class WeightSyncServer:
         The copy is built while the previous version keeps serving and replaces it only when
         complete, so a publish that raises (bad dtype, manifest too large, out of memory)
         leaves the previous version serving; peak memory is two snapshots during the copy.
-        An iterable lets a ZeRO-3 learner gather one parameter (or bucket) at a time.
+        An iterable lets a ZeRO-3 learner gather one parameter (or bucket) at a time. Names on
+        the same memory (tied weights) are sent once, the later ones as aliases (module doc).
         """
         return self._guarded(version, lambda: self._publish(state_dict, version))
 
@@ -230,13 +238,20 @@ class WeightSyncServer:
         hasher = wire.new_hasher(self.checksum_algo)
         packer = wire.ChunkPacker(version, self.chunk_bytes)
         specs: list[pb.TensorSpec] = []
+        sent: dict[str, pb.TensorSpec] = {}
+        aliases = AliasFinder()
         offset = 0
         for name, tensor in _items(state_dict):
+            target = aliases.seen(name, tensor)
+            if target is not None:  # tied: its bytes are already in the stream
+                specs.append(wire.alias_spec(name, sent[target]))
+                continue
             cpu, data = _cpu_bytes(tensor)
             spec = wire.spec_of(name, cpu, offset)
             hasher.update(data)
             packer.add(name, data)
             specs.append(spec)
+            sent[name] = spec
             offset += spec.nbytes
         manifest = self._manifest(version, specs, offset, hasher.hexdigest())
         self._install(_Snapshot(manifest, self._manifest_bytes(manifest), packer.finish()))

@@ -118,6 +118,14 @@ def spec_of(name: str, tensor: torch.Tensor, offset: int) -> pb.TensorSpec:
     )
 
 
+def alias_spec(name: str, target: pb.TensorSpec) -> pb.TensorSpec:
+    """The manifest entry of `name`, which shares `target`'s storage (tied weights): listed
+    under its own name, so every name still reaches the client, but with no bytes of its own
+    (nbytes 0, `target`'s offset): the stream carries that storage once."""
+    return pb.TensorSpec(name=name, dtype=target.dtype, shape=list(target.shape), nbytes=0,
+                         offset=target.offset, alias_of=target.name)
+
+
 @dataclass(frozen=True)
 class TensorLayout:
     name: str
@@ -125,12 +133,34 @@ class TensorLayout:
     shape: tuple[int, ...]
     nbytes: int
     offset: int
+    # the earlier tensor whose bytes this name shares ("" = its own bytes in the stream)
+    alias_of: str = ""
+
+
+def _check_alias(spec: pb.TensorSpec, dtype: torch.dtype, shape: tuple[int, ...],
+                 sent: dict[str, TensorLayout]) -> TensorLayout:
+    """An alias must name an earlier tensor that is sent (no chains), with its dtype and shape,
+    carry no bytes and point at that tensor's offset: anything else would hand the caller a
+    tensor whose bytes were never checked against the manifest."""
+    target = sent.get(spec.alias_of)
+    if target is None:
+        raise WeightSyncError("manifest", f"tensor {spec.name!r} is an alias of "
+                              f"{spec.alias_of!r}, which is not an earlier sent tensor")
+    if (target.dtype, target.shape) != (dtype, shape):
+        raise WeightSyncError("manifest", f"alias {spec.name!r} is {spec.dtype}{list(shape)}, "
+                              f"its tensor {target.name!r} {target.dtype}{list(target.shape)}")
+    if spec.nbytes != 0 or spec.offset != target.offset:
+        raise WeightSyncError("manifest", f"alias {spec.name!r} must have nbytes 0 and offset "
+                              f"{target.offset}, has {spec.nbytes} at {spec.offset}")
+    return TensorLayout(spec.name, dtype, shape, 0, target.offset, target.name)
 
 
 def check_manifest(manifest: pb.Manifest) -> list[TensorLayout]:
-    """Validate a manifest's internal consistency; returns the layout in stream order."""
+    """Validate a manifest's internal consistency; returns the layout in manifest order
+    (aliases in their place, with nbytes 0)."""
     layout: list[TensorLayout] = []
     seen: set[str] = set()
+    sent: dict[str, TensorLayout] = {}
     cursor = 0
     for spec in manifest.tensors:
         if spec.name in seen:
@@ -142,6 +172,9 @@ def check_manifest(manifest: pb.Manifest) -> list[TensorLayout]:
         shape = tuple(int(d) for d in spec.shape)
         if any(d < 0 for d in shape):
             raise WeightSyncError("manifest", f"tensor {spec.name!r} has a negative dimension")
+        if spec.alias_of:
+            layout.append(_check_alias(spec, dtype, shape, sent))
+            continue
         itemsize = torch.empty((), dtype=dtype).element_size()
         expected = math.prod(shape) * itemsize
         if spec.nbytes != expected:
@@ -152,7 +185,8 @@ def check_manifest(manifest: pb.Manifest) -> list[TensorLayout]:
             )
         if spec.offset != cursor:
             raise WeightSyncError("manifest", f"tensor {spec.name!r} at offset {spec.offset}, expected {cursor}")
-        layout.append(TensorLayout(spec.name, dtype, shape, spec.nbytes, spec.offset))
+        sent[spec.name] = TensorLayout(spec.name, dtype, shape, spec.nbytes, spec.offset)
+        layout.append(sent[spec.name])
         cursor += spec.nbytes
     if manifest.total_bytes != cursor:
         raise WeightSyncError("manifest", f"total_bytes {manifest.total_bytes} != sum of tensors {cursor}")
