@@ -5,7 +5,9 @@ Layout of `checkpoint_dir`:
 latest                   text file naming the newest complete checkpoint (replaced atomically)
 step_00000010/
   policy/                HF format (save_pretrained + tokenizer files): loadable by transformers
-                         and by the rollout engines as is
+                         and by the rollout engines as is (with LoRA: the merged model)
+  adapter/               with LoRA only: the adapter in peft's format (adapter_config.json,
+                         adapter_model.safetensors), for PeftModel.from_pretrained
   ds/state/              DeepSpeed engine state: model, optimizer (ZeRO shards), LR scheduler
   critic_ds/state/       the critic's, when training with GAE
   rng_rank{r}.json       python / numpy / torch (and CUDA) RNG state of rank r
@@ -142,11 +144,14 @@ def save_checkpoint(
     if trainer.critic is not None:
         trainer.critic.save(str(tmp / "critic_ds"), tag="state")
     (tmp / f"rng_rank{rank}.json").write_text(json.dumps(_rng_state()))
-    full = trainer.policy.full_state_dict()
+    full, adapter = trainer.export()
     if rank == 0:
-        trainer.policy.module.save_pretrained(
+        trainer.base_model.save_pretrained(
             str(tmp / "policy"), state_dict=full, safe_serialization=True
         )
+        if adapter is not None:  # LoRA: the adapter alone too, in peft's format
+            trainer.policy.module.save_pretrained(str(tmp / "adapter"), state_dict=adapter,
+                                                  safe_serialization=True)
         if tokenizer_from is not None:
             for name in TOKENIZER_FILES:
                 src = Path(tokenizer_from) / name

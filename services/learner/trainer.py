@@ -118,6 +118,18 @@ class PolicyTrainer:
                  "on" if self.share_prompts else "off")
         policy = load_causal_lm(model_path, self.device, self.dtype, self.attn_implementation,
                                 gradient_checkpointing)
+        # LoRA: the base weights freeze and only the adapter trains (services/learner/lora.py);
+        # TrainEngine hands DeepSpeed the parameters that require grad, so the optimizer state
+        # is the adapter's alone.
+        self.lora = cfg.lora if cfg.lora.enabled else None
+        if self.lora is not None:
+            from services.learner.lora import apply_lora
+
+            policy = apply_lora(policy, self.lora)
+            trained = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+            log.info("LoRA rank %d, alpha %g on %s: %d of %d parameters train", self.lora.rank,
+                     self.lora.alpha, self.lora.target_modules, trained,
+                     sum(p.numel() for p in policy.parameters()))
         ratio = critic_ratio = None  # SFT and direct use: cfg.warmup_steps
         if updates_per_step is not None:
             ratio = cfg.warmup_ratio
@@ -507,8 +519,27 @@ class PolicyTrainer:
         """Full policy weights (ZeRO-3 gathered) on CPU; what the weight-sync server serves.
 
         Every rank calls it (ZeRO-3 gathers are collective); only rank 0 (or `keep=True`) gets
-        the weights, other ranks get {} without copying (TrainEngine.full_state_dict)."""
-        return self.policy.full_state_dict(keep)
+        the weights, other ranks get {} without copying (TrainEngine.full_state_dict). With
+        LoRA: the merged model under the base model's names, so replicas and checkpoints load
+        it like any full model."""
+        return self.export(keep)[0]
+
+    def export(self, keep: bool | None = None
+               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+        """(full weights under the base model's names, the LoRA adapter's tensors or None);
+        collective like state_dict_for_export."""
+        full = self.policy.full_state_dict(keep)
+        if self.lora is None:
+            return full, None
+        from services.learner.lora import adapter_state, merge_lora_state, scaling
+
+        return merge_lora_state(full, scaling(self.lora)), adapter_state(full)
+
+    @property
+    def base_model(self) -> torch.nn.Module:
+        """The Hugging Face model under the DeepSpeed engine (and the LoRA wrapper)."""
+        module = self.policy.module
+        return module.get_base_model() if self.lora is not None else module
 
 
 STEP_INDEX_MISSING = ("learner.algorithm.loss_rows=step needs each sample's step_index "

@@ -10,6 +10,21 @@ from pydantic import Field, model_validator
 from services.common.config.base import Section
 
 
+class LoraSettings(Section):
+    """`learner.lora`: train a LoRA adapter instead of every weight (services/learner/lora.py).
+    Defaults as verl's: rank 0 = off, alpha 16, every linear layer but the LM head."""
+
+    rank: int = Field(default=0, ge=0)
+    alpha: float = Field(default=16.0, gt=0)
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    # "all-linear" (peft: every linear layer except the output head) or module names.
+    target_modules: str | list[str] = "all-linear"
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 class LearnerSection(Section):
     adv_estimator: str = "grpo"
     lr: float = Field(default=1e-6, gt=0)
@@ -65,6 +80,8 @@ class LearnerSection(Section):
     temperature: float = Field(default=1.0, gt=0)
     # Critic (GAE): its own learning rate; None = lr. The critic starts from the policy weights.
     critic_lr: float | None = None
+    # LoRA on the policy (rank 0: off, every weight trains). docs/learner.md "LoRA".
+    lora: LoraSettings = Field(default_factory=LoraSettings)
     # --- SFT warm start (`forage learner sft`) ---
     sft_epochs: int = Field(default=1, ge=1)
     sft_batch_size: int = Field(default=16, ge=1)  # sequences per optimizer step
