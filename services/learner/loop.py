@@ -609,10 +609,10 @@ class LearnerLoop:
         from services.common.weight_sync.notify import notify_new_version
 
         _broadcast_command(CMD_EXPORT)
-        state_dict = self.trainer.state_dict_for_export()
+        state_dict, metadata = self._weights_to_publish()
         for attempt in range(1, self.PUBLISH_ATTEMPTS + 1):
             try:
-                self.server.publish(state_dict, self.version)
+                self.server.publish(state_dict, self.version, metadata)
                 break
             except Exception as exc:
                 served = self.server.version
@@ -628,6 +628,20 @@ class LearnerLoop:
         notify_new_version(self.streams.client, self.streams.namespace, self.version)
         M.POLICY_VERSION.set(self.version)
         log.info("published policy version %d", self.version)
+
+    def _weights_to_publish(self) -> tuple[dict, dict[str, str] | None]:
+        """Full (merged) weights, or with `learner.lora.publish: adapter` the adapter alone and
+        what a replica needs to apply it: the scaling and the base model's fingerprint."""
+        lora = self.trainer.lora
+        if lora is None or lora.publish != "adapter":
+            return self.trainer.state_dict_for_export(), None
+        from services.common.lora import adapter_metadata
+        from services.common.model_identity import model_fingerprint
+        from services.learner.lora import scaling
+
+        _, adapter = self.trainer.export()
+        base = model_fingerprint(self.cfg.model.path)
+        return adapter, adapter_metadata(scaling(lora), base)
 
     def _save(self) -> None:
         assert self.ledger is not None and self.source is not None

@@ -21,9 +21,7 @@ from typing import Any
 
 import torch
 
-PEFT_PREFIX = "base_model.model."
-BASE_LAYER = ".base_layer."
-ADAPTER = "default"  # peft's adapter name: Forage trains one adapter
+from services.common.lora import adapter_pair, base_name, lora_deltas
 
 
 def lora_config(settings: Any):
@@ -52,22 +50,6 @@ def scaling(settings: Any) -> float:
     return float(settings.alpha) / float(settings.rank)
 
 
-def _lora_names(name: str) -> tuple[str, str] | None:
-    """('module path', 'A' or 'B') for an adapter tensor of the default adapter, else None."""
-    for which in ("A", "B"):
-        marker = f".lora_{which}.{ADAPTER}.weight"
-        if name.endswith(marker):
-            return name[: -len(marker)], which
-    return None
-
-
-def base_name(name: str) -> str:
-    """The base model's own name of a peft state-dict entry (prefix and base_layer dropped)."""
-    if name.startswith(PEFT_PREFIX):
-        name = name[len(PEFT_PREFIX):]
-    return name.replace(BASE_LAYER, ".")
-
-
 def merge_lora_state(state: Mapping[str, torch.Tensor],
                      scale: float) -> dict[str, torch.Tensor]:
     """The merged model's state dict under the base model's names.
@@ -76,32 +58,24 @@ def merge_lora_state(state: Mapping[str, torch.Tensor],
     back to W's dtype; every other tensor is passed through renamed. Raises if an adapter pair
     is incomplete or its shapes do not fit the base weight.
     """
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in state.items():
-        found = _lora_names(name)
-        if found is not None:
-            pairs.setdefault(found[0], {})[found[1]] = tensor
+    deltas = lora_deltas(state, scale)
     merged: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        if _lora_names(name) is not None:
+        if adapter_pair(name) is not None:
             continue
-        module = name[: -len(".base_layer.weight")] if name.endswith(".base_layer.weight") \
-            else None
-        if module is not None and module in pairs:
-            pair = pairs.pop(module)
-            if set(pair) != {"A", "B"}:
-                raise ValueError(f"{module}: LoRA pair incomplete ({sorted(pair)})")
-            delta = pair["B"].float() @ pair["A"].float()
+        target = base_name(name)
+        delta = deltas.pop(target, None) if name.endswith(".base_layer.weight") else None
+        if delta is not None:
             if delta.shape != tensor.shape:
-                raise ValueError(f"{module}: LoRA delta {tuple(delta.shape)} does not fit the "
+                raise ValueError(f"{target}: LoRA delta {tuple(delta.shape)} does not fit the "
                                  f"weight {tuple(tensor.shape)}")
-            tensor = (tensor.float() + delta * scale).to(tensor.dtype)
-        merged[base_name(name)] = tensor
-    if pairs:
-        raise ValueError(f"LoRA tensors without a base weight: {sorted(pairs)[:3]}")
+            tensor = (tensor.float() + delta).to(tensor.dtype)
+        merged[target] = tensor
+    if deltas:
+        raise ValueError(f"LoRA tensors without a base weight: {sorted(deltas)[:3]}")
     return merged
 
 
 def adapter_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The adapter tensors alone (peft's names), e.g. for a PEFT-format checkpoint."""
-    return {name: tensor for name, tensor in state.items() if _lora_names(name) is not None}
+    return {name: tensor for name, tensor in state.items() if adapter_pair(name) is not None}

@@ -95,6 +95,9 @@ class TransformersEngine:
         self._cache: Any = None
         self._mask: torch.Tensor | None = None  # (rows, cache width) real positions
         self._parked: dict[Any, _Parked] = {}
+        # LoRA: exact copies of the base weights an adapter changes, kept from the first
+        # adapter on, so every version is base + its own delta (no drift across versions).
+        self._lora_base: dict[str, torch.Tensor] = {}
         self.max_parked = 4 * max_batch_size
         self.min_admit = max(1, max_batch_size // 8)
         self.tokens_prefilled = 0
@@ -199,6 +202,40 @@ class TransformersEngine:
         with torch.no_grad():
             for name, tensor in state_dict.items():
                 own[name].copy_(tensor.to(device=own[name].device, dtype=own[name].dtype))
+        self._lora_base.clear()  # full weights are the new base
+        self._parked.clear()
+        self.policy_version = int(version)
+
+    def load_adapter(self, adapter: dict[str, Any], scale: float, version: int) -> None:
+        """Apply a LoRA adapter (peft's tensor names) to the base weights, between steps.
+
+        Each adapted weight becomes base + B @ A x `scale`, computed in float32 from an exact
+        copy of the base taken when an adapter first touches it; a weight the previous adapter
+        changed and this one does not goes back to its base. Everything is checked before
+        anything is written, so a bad adapter leaves the old weights serving.
+        """
+        from services.common.lora import lora_deltas
+
+        deltas = lora_deltas(adapter, scale)
+        if not deltas:
+            raise ValueError("load_adapter: the adapter holds no LoRA pair")
+        own = self.model.state_dict()
+        for name, delta in deltas.items():
+            if name not in own:
+                raise ValueError(f"load_adapter: the model has no weight {name!r}")
+            if tuple(own[name].shape) != tuple(delta.shape):
+                raise ValueError(f"load_adapter: {name} is {tuple(own[name].shape)}, the "
+                                 f"adapter's delta {tuple(delta.shape)}")
+        with torch.no_grad():
+            for name in list(self._lora_base):
+                if name not in deltas:
+                    own[name].copy_(self._lora_base.pop(name))
+            for name, delta in deltas.items():
+                base = self._lora_base.get(name)
+                if base is None:
+                    base = self._lora_base[name] = own[name].detach().clone()
+                merged = base.float() + delta.to(base.device)
+                own[name].copy_(merged.to(own[name].dtype))
         self._parked.clear()
         self.policy_version = int(version)
 

@@ -85,7 +85,7 @@ class WorkerWeightLoader:
             return _result(False, version, self.rank, "manifest",
                            f"version must be positive, got {version}")
         try:
-            got, tensors = self._client_for(address, token).fetch(version)
+            got, tensors, meta = self._client_for(address, token).fetch_with_metadata(version)
         except WeightSyncError as exc:
             return _result(False, version, self.rank, exc.reason, str(exc))
         except Exception as exc:  # noqa: BLE001 - reported to the engine, never raised across RPC
@@ -93,6 +93,11 @@ class WorkerWeightLoader:
         if got != version:  # fetch(version) guarantees this; checked because ranks must agree
             return _result(False, version, self.rank, "superseded",
                            f"asked for version {version}, got {got}")
+        if meta.get("kind"):  # a LoRA adapter: vLLM's LoRA path is not wired yet
+            return _result(False, version, self.rank, "manifest",
+                           f"version {version} is a {meta['kind']} adapter, which the vLLM "
+                           "engine cannot apply yet; publish merged weights "
+                           "(learner.lora.publish: merged)")
         self._staged = (got, tensors)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         return _result(True, got, self.rank, tensors=len(tensors), nbytes=nbytes)

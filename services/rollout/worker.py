@@ -320,8 +320,9 @@ class RolloutWorker:
                     version, f"{learner.weight_sync_host}:{learner.weight_sync_port}",
                     learner.weight_sync_token)
             else:
-                version, state_dict = self._client().fetch()  # newest consistent version
-                self.engine.load_weights(state_dict, version)
+                # the newest consistent version: full weights, or a LoRA adapter to apply
+                version, tensors, meta = self._client().fetch_with_metadata()
+                self._load(version, tensors, meta)
         except (WeightSyncError, ValueError) as exc:
             metrics.WEIGHT_SYNC_FAILURES.inc()
             log.warning("weight sync failed, keeping version %d: %s",
@@ -332,6 +333,11 @@ class RolloutWorker:
         set_log_context(policy_version=version)
         log.info("loaded policy version %d in %.2fs", version, time.perf_counter() - started)
         return True
+
+    def _load(self, version: int, tensors: dict, meta: dict[str, str]) -> None:
+        from services.rollout.published import load_published
+
+        load_published(self.engine, self.config.model.path, version, tensors, meta)
 
     # ------------------------------------------------------------------ heartbeat
 

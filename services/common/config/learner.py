@@ -19,6 +19,10 @@ class LoraSettings(Section):
     dropout: float = Field(default=0.0, ge=0, lt=1)
     # "all-linear" (peft: every linear layer except the output head) or module names.
     target_modules: str | list[str] = "all-linear"
+    # What replicas receive each step: "merged" full weights (any engine), or "adapter": the
+    # adapter tensors alone with the base model's fingerprint, applied by the transformers
+    # engine onto its own copy of the base (the vLLM engine refuses it for now).
+    publish: Literal["merged", "adapter"] = "merged"
 
     @property
     def enabled(self) -> bool:

@@ -135,6 +135,16 @@ class WeightSyncClient:
         expect: Mapping[str, torch.Tensor] | None = None,
         retries: int = 2,
     ) -> tuple[int, dict[str, torch.Tensor]]:
+        """(version, tensors): `fetch_with_metadata` without the manifest's metadata."""
+        got, tensors, _ = self.fetch_with_metadata(version, expect, retries)
+        return got, tensors
+
+    def fetch_with_metadata(
+        self,
+        version: int | None = None,
+        expect: Mapping[str, torch.Tensor] | None = None,
+        retries: int = 2,
+    ) -> tuple[int, dict[str, torch.Tensor], dict[str, str]]:
         """Fetch `version` (None = the current one) as fresh CPU tensors, fully verified.
 
         `expect` (e.g. the model's state dict) makes names, shapes and dtypes part of the
@@ -168,7 +178,7 @@ class WeightSyncClient:
 
     def _fetch_once(
         self, version: int, expect: Mapping[str, torch.Tensor] | None
-    ) -> tuple[int, dict[str, torch.Tensor]]:
+    ) -> tuple[int, dict[str, torch.Tensor], dict[str, str]]:
         started = time.perf_counter()
         try:
             stream = self._fetch(pb.FetchRequest(version=version), timeout=self.fetch_timeout_s,
@@ -253,7 +263,7 @@ class WeightSyncClient:
         BYTES_RECEIVED.inc(manifest.total_bytes)
         log.info("fetched weights v%d: %d bytes in %.2fs (%.0f MB/s)", manifest.version,
                  manifest.total_bytes, elapsed, manifest.total_bytes / max(elapsed, 1e-9) / 1e6)
-        return manifest.version, staging
+        return manifest.version, staging, dict(manifest.metadata)
 
 
 _ALIGN = 64

@@ -213,7 +213,8 @@ class WeightSyncServer:
 
     # --- publishing -------------------------------------------------------------------------
 
-    def publish(self, state_dict: TensorSource, version: int) -> pb.Manifest:
+    def publish(self, state_dict: TensorSource, version: int,
+                metadata: Mapping[str, str] | None = None) -> pb.Manifest:
         """Serve a copy of `state_dict` (a mapping, or an iterable of (name, tensor)) as `version`.
 
         The copy is built while the previous version keeps serving and replaces it only when
@@ -221,8 +222,9 @@ class WeightSyncServer:
         leaves the previous version serving; peak memory is two snapshots during the copy.
         An iterable lets a ZeRO-3 learner gather one parameter (or bucket) at a time. Names on
         the same memory (tied weights) are sent once, the later ones as aliases (module doc).
+        `metadata` travels in the manifest (e.g. a LoRA adapter's kind, scaling and base).
         """
-        return self._guarded(version, lambda: self._publish(state_dict, version))
+        return self._guarded(version, lambda: self._publish(state_dict, version, metadata))
 
     def _guarded(self, version: int, run: Callable[[], pb.Manifest]) -> pb.Manifest:
         self._check_version(version)
@@ -234,7 +236,8 @@ class WeightSyncServer:
                       self.version, exc)
             raise
 
-    def _publish(self, state_dict: TensorSource, version: int) -> pb.Manifest:
+    def _publish(self, state_dict: TensorSource, version: int,
+                 metadata: Mapping[str, str] | None = None) -> pb.Manifest:
         hasher = wire.new_hasher(self.checksum_algo)
         packer = wire.ChunkPacker(version, self.chunk_bytes)
         specs: list[pb.TensorSpec] = []
@@ -253,7 +256,7 @@ class WeightSyncServer:
             specs.append(spec)
             sent[name] = spec
             offset += spec.nbytes
-        manifest = self._manifest(version, specs, offset, hasher.hexdigest())
+        manifest = self._manifest(version, specs, offset, hasher.hexdigest(), metadata)
         self._install(_Snapshot(manifest, self._manifest_bytes(manifest), packer.finish()))
         return manifest
 
@@ -307,11 +310,17 @@ class WeightSyncServer:
             raise ValueError(f"version {version} is not newer than {self._last_version}")
 
     def _manifest(
-        self, version: int, specs: list[pb.TensorSpec], total: int, checksum: str
+        self, version: int, specs: list[pb.TensorSpec], total: int, checksum: str,
+        metadata: Mapping[str, str] | None = None,
     ) -> pb.Manifest:
+        bad = [k for k, v in (metadata or {}).items()
+               if not isinstance(k, str) or not isinstance(v, str)]
+        if bad:
+            raise ValueError(f"manifest metadata must map strings to strings: {bad[:3]}")
         return pb.Manifest(
             version=version, tensors=specs, total_bytes=total, checksum=checksum,
             checksum_algo=self.checksum_algo, chunk_bytes=self.chunk_bytes,
+            metadata=dict(metadata or {}),
         )
 
     def _manifest_bytes(self, manifest: pb.Manifest) -> bytes:
