@@ -12,8 +12,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from services.common.probe_curve import CORRECT_THRESHOLD, overconfidence
 from services.common.trajectory import FINISH_REASONS, ScoredTrajectory
-from services.scorer.rewards.probe import CORRECT_THRESHOLD, overconfidence
 
 
 def is_correct(item: ScoredTrajectory) -> bool:

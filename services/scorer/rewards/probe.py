@@ -16,12 +16,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from services.common.formats import probe_suffix
+from services.common.probe_curve import (  # noqa: F401 (this module's public names)
+    CORRECT_THRESHOLD,
+    auc,
+    overconfidence,
+    overconfidence_weights,
+)
 from services.common.trajectory import Probe
-
-CORRECT_THRESHOLD = 1.0
 
 
 @dataclass
@@ -34,31 +36,6 @@ class ProbeScores:
 def default_suffix(data_source: str, override: str | None = None) -> str:
     """The probe suffix for a data source: the one rule the rollout side also uses."""
     return probe_suffix(data_source, override)
-
-
-def overconfidence_weights(num_points: int) -> np.ndarray:
-    return np.linspace(0.5, -0.5, num_points)
-
-
-def overconfidence(per_fraction: Sequence[float]) -> float:
-    if not per_fraction:
-        return math.nan
-    weights = overconfidence_weights(len(per_fraction))
-    return float(np.dot(weights, np.asarray(per_fraction, dtype=np.float64)))
-
-
-def auc(fractions: Sequence[float], per_fraction: Sequence[float]) -> float:
-    """Trapezoid area under p(fraction); a single point is its own value."""
-    if not per_fraction:
-        return math.nan
-    if len(per_fraction) == 1:
-        return float(per_fraction[0])
-    xs = np.asarray(fractions, dtype=np.float64)
-    ys = np.asarray(per_fraction, dtype=np.float64)
-    span = xs[-1] - xs[0]
-    if span <= 0:
-        return float(ys.mean())
-    return float(np.trapezoid(ys, xs) / span)
 
 
 def summarize(fractions: Sequence[float], scores: Sequence[Sequence[float]]) -> ProbeScores:
