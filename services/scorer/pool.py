@@ -19,6 +19,7 @@ import importlib
 import logging
 import multiprocessing
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -142,6 +143,24 @@ class _Worker:
         self.conn.close()
 
 
+def start_failure(exitcode: int | None, exc: BaseException, method: str) -> str:
+    """Why a worker died before it was ready, and what to do about the usual cause.
+
+    Workers start with 'spawn' (no fork of a process that holds threads and sockets), and a
+    spawned worker first imports the caller's main script, as multiprocessing always does. A
+    script that starts scoring at import time, without an `if __name__ == "__main__":` guard,
+    then runs again inside the worker, which fails while starting its own workers."""
+    detail = f": {exc}" if str(exc) else ""
+    main = sys.modules.get("__main__")
+    script = getattr(main, "__file__", None)
+    text = f"reward worker died at start (exit code {exitcode}{detail})"
+    if method != "fork" and script:
+        text += (f". Reward workers start with {method!r}, which imports your main script "
+                 f"({script}) in each worker: put the code that scores under "
+                 "`if __name__ == \"__main__\":` so the workers do not run it again")
+    return text
+
+
 class RewardPool:
     """`run(jobs)` returns one JobResult per job, in order. Thread-safe (one batch at a time)."""
 
@@ -209,7 +228,9 @@ class RewardPool:
         try:
             message = msgpack.unpackb(worker.conn.recv_bytes(), raw=False)
         except (EOFError, OSError) as exc:
-            raise PoolError(f"reward worker died at start: {exc}") from None
+            worker.process.join(timeout=5)
+            raise PoolError(start_failure(worker.process.exitcode, exc,
+                                          self._ctx.get_start_method())) from None
         worker.ready = isinstance(message, dict) and "ready" in message
         return worker.ready
 
