@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import time
 from collections import Counter
@@ -297,6 +298,13 @@ class LearnerLoop:
     # ================================================================== main
 
     def run(self) -> int:
+        if int(os.environ.get("RANK", "0")) != 0:
+            # torchrun passes SIGTERM (and Ctrl-C) to every rank. Only rank 0 decides when to
+            # stop: it finishes the step, saves with every rank joining, then broadcasts STOP.
+            # A rank that died on the signal instead would leave that collective save to hang
+            # or fail, and the run with no checkpoint.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         self._build_trainer()  # joins the process group (torchrun / deepspeed launcher)
         self.rank = D.rank()
         self._restore()
