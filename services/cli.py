@@ -40,6 +40,7 @@ COMMAND_GROUPS: dict[str, tuple[str, str]] = {
     "inspect": ("services.launch.cli_inspect", "read the trajectories a run logged"),
     "streams": ("services.launch.cli_streams", "dead-lettered messages, decoded, with reasons"),
     "config": ("services.common.cli_config", "the merged config of --config files + overrides"),
+    "doctor": ("services.common.cli_doctor", "check this node's driver, CUDA, torch, vLLM, faiss"),
 }
 
 

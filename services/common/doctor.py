@@ -1,0 +1,427 @@
+"""`forage doctor`'s rules: which versions on a node go together, as data and pure functions.
+
+The probe (services/common/doctor_probe.py) fills a `NodeVersions` from nvidia-smi and the
+installed distributions' metadata; everything here only reads that record, so each rule is
+tested on recorded version tables without a GPU (tests/common/test_doctor.py). `check` runs
+every rule and returns the findings: `error` means Forage cannot run as installed (exit 1),
+`warning` that it runs with a caveat, `info` a note, `ok` a check that passed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Level = Literal["ok", "info", "warning", "error"]
+
+# Linux x86_64 driver that each CUDA toolkit release ships with and asks for, from NVIDIA's
+# CUDA Toolkit release notes, table "CUDA Toolkit and Corresponding Driver Versions" (GA rows):
+# https://docs.nvidia.com/cuda/cuda-toolkit-release-notes/index.html
+# Below this number a build still runs through CUDA minor-version compatibility, with reduced
+# features (a warning), as long as the driver is at least its major's floor below.
+CUDA_MIN_DRIVER: dict[tuple[int, int], str] = {
+    (11, 8): "520.61.05",
+    (12, 0): "525.60.13",
+    (12, 1): "530.30.02",
+    (12, 2): "535.54.03",
+    (12, 3): "545.23.06",
+    (12, 4): "550.54.14",
+    (12, 5): "555.42.02",
+    (12, 6): "560.28.03",
+    (12, 8): "570.26",
+    (12, 9): "575.51.03",
+    (13, 0): "580.65.06",
+    (13, 1): "590.44.01",
+}
+# Minimum driver of each CUDA major under minor-version compatibility (same release notes,
+# "Driver Range for Minor Version Compatibility"; and
+# https://docs.nvidia.com/deploy/cuda-compatibility/minor-version-compatibility.html).
+# Below it a build of that major does not run at all (an error).
+CUDA_MAJOR_DRIVER_FLOOR: dict[int, str] = {11: "450.80.02", 12: "525", 13: "580"}
+# The CUDA versions PyTorch publishes wheels for, to name one that fits a driver.
+PYTORCH_CUDA_BUILDS: tuple[tuple[int, int], ...] = (
+    (11, 8), (12, 1), (12, 4), (12, 6), (12, 8), (12, 9), (13, 0))
+
+# The exact torch each vLLM release requires (its wheel's `torch==` requirement, as PyPI
+# publishes it), for the releases Forage supports (pyproject.toml's gpu extra: >=0.32,<0.34).
+# Used only when the installed vLLM's own metadata does not say.
+VLLM_TORCH: dict[str, str] = {"0.32.0": "2.13.0", "0.33.0": "2.14.0"}
+VLLM_SUPPORTED = ((0, 32), (0, 34))  # [low, high)
+VLLM_SUPPORTED_TEXT = ">=0.32,<0.34"
+
+# faiss distributions that install the `faiss` module, and the CUDA major a GPU one is built
+# for (None: a CPU build, or a GPU build whose CUDA major its name does not say).
+FAISS_DISTRIBUTIONS: dict[str, int | None] = {
+    "faiss-cpu": None,
+    "faiss-gpu-cu12": 12,
+    "faiss-gpu-cu11": 11,
+    "faiss-gpu": None,
+}
+FAISS_GPU = ("faiss-gpu-cu12", "faiss-gpu-cu11", "faiss-gpu")
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    memory: str  # as nvidia-smi prints it: "81559 MiB"
+
+
+@dataclass
+class NodeVersions:
+    """What the probe found; None is "not installed" (or, for a driver, no nvidia-smi)."""
+
+    os: str = ""
+    python: str = ""
+    driver: str | None = None
+    driver_error: str | None = None  # nvidia-smi is there but failed
+    gpus: tuple[Gpu, ...] = ()
+    torch: str | None = None
+    torch_error: str | None = None  # installed, but `import torch` failed
+    torch_cuda: str | None = None  # torch.version.cuda: None for a CPU build
+    cuda_available: bool = False
+    nccl: str | None = None
+    vllm: str | None = None
+    vllm_torch_pin: str | None = None  # the `torch==X` in vLLM's metadata
+    faiss: dict[str, str] = field(default_factory=dict)  # distribution -> version
+    faiss_gpus: int | None = None  # faiss.get_num_gpus()
+    faiss_error: str | None = None  # installed, but `import faiss` failed
+    flash_attn: str | None = None
+    flash_attn_torch_pin: str | None = None  # `torch==X` in its metadata, if it pins one
+    deepspeed: str | None = None
+    transformers: str | None = None
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: Level
+    text: str
+
+
+# --------------------------------------------------------------------------- versions
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    """The leading numbers of a version: "580.95.05" -> (580, 95, 5), "2.14.0+cu130" ->
+    (2, 14, 0), "0.33.1.dev3" -> (0, 33, 1)."""
+    numbers = []
+    for part in text.split("+", 1)[0].split("."):
+        match = re.match(r"\d+", part)
+        if not match:
+            break
+        numbers.append(int(match.group()))
+        if match.group() != part:
+            break
+    return tuple(numbers)
+
+
+def _below(found: str, minimum: str) -> bool:
+    a, b = version_tuple(found), version_tuple(minimum)
+    width = max(len(a), len(b))
+    return a + (0,) * (width - len(a)) < b + (0,) * (width - len(b))
+
+
+def base_version(text: str) -> str:
+    """"2.14.0+cu130" -> "2.14.0" (the local label says the build, not the release)."""
+    return text.split("+", 1)[0]
+
+
+def cuda_tuple(text: str) -> tuple[int, int] | None:
+    numbers = version_tuple(text)
+    return (numbers[0], numbers[1] if len(numbers) > 1 else 0) if numbers else None
+
+
+def _cuda_text(cuda: tuple[int, int]) -> str:
+    return f"{cuda[0]}.{cuda[1]}"
+
+
+def best_cuda_for_driver(driver: str) -> tuple[int, int] | None:
+    """The newest CUDA that PyTorch builds for and that this driver fully supports."""
+    fits = [cuda for cuda in PYTORCH_CUDA_BUILDS if not _below(driver, CUDA_MIN_DRIVER[cuda])]
+    return max(fits) if fits else None
+
+
+def _or_install_torch_for(driver: str, cpu_fallback: bool) -> str:
+    """", or install a torch built for CUDA X.Y" that fits `driver` (a CPU build if none does
+    and `cpu_fallback`; nothing otherwise)."""
+    cuda = best_cuda_for_driver(driver)
+    if cuda:
+        return f" or install a torch built for CUDA {_cuda_text(cuda)}"
+    return " or install a CPU build of torch" if cpu_fallback else ""
+
+
+# --------------------------------------------------------------------------- the rules
+
+
+def _driver_rules(v: NodeVersions) -> list[Finding]:
+    if v.driver_error:
+        return [Finding("error", f"nvidia-smi is installed but failed ({v.driver_error}): the "
+                        "NVIDIA driver is not working; after a driver upgrade reboot (or reload "
+                        "the nvidia kernel modules), otherwise reinstall the driver")]
+    if v.torch is None or v.torch_error:
+        return []
+    torch = f"torch {v.torch}"
+    if v.driver is None:
+        if v.cuda_available:
+            return [Finding("warning", f"{torch} sees CUDA but nvidia-smi is not on PATH, so "
+                            "the driver cannot be checked: install the NVIDIA driver's "
+                            "utilities (in a container, start it with the NVIDIA container "
+                            "runtime, e.g. --gpus all)")]
+        build = "a CPU build" if v.torch_cuda is None else f"built for CUDA {v.torch_cuda}"
+        return [Finding("ok", f"no NVIDIA driver and {torch} ({build}): Forage runs on CPU")]
+    if v.torch_cuda is None:
+        cuda = best_cuda_for_driver(v.driver)
+        index = (f" (e.g. --index-url https://download.pytorch.org/whl/cu{cuda[0]}{cuda[1]})"
+                 if cuda else "")
+        return [Finding("warning", f"{torch} is a CPU build but this node has NVIDIA driver "
+                        f"{v.driver}: Forage will not use the GPUs; install the CUDA build of "
+                        f"torch {base_version(v.torch)}{index}")]
+    cuda = cuda_tuple(v.torch_cuda)
+    floor = CUDA_MAJOR_DRIVER_FLOOR.get(cuda[0]) if cuda else None
+    if cuda is None or floor is None:
+        return [Finding("warning", f"{torch} is built for CUDA {v.torch_cuda}, which doctor "
+                        "has no driver table for: check NVIDIA's CUDA release notes for the "
+                        "driver it needs")]
+    if _below(v.driver, floor):
+        return [Finding("error", f"{torch} needs NVIDIA driver >= {floor} (found {v.driver}): "
+                        f"upgrade the driver{_or_install_torch_for(v.driver, True)}")]
+    findings = []
+    minimum = CUDA_MIN_DRIVER.get(cuda)
+    if minimum is None:
+        findings.append(Finding("info", f"CUDA {v.torch_cuda} is not in doctor's driver "
+                                f"table: checked only against the CUDA {cuda[0]}.x floor "
+                                f"({floor})"))
+    elif _below(v.driver, minimum):
+        findings.append(Finding("warning", f"{torch} is built for CUDA {_cuda_text(cuda)}, "
+                                f"which asks for NVIDIA driver >= {minimum} (found {v.driver}): "
+                                "it runs through CUDA minor-version compatibility, without "
+                                "the features that need the newer driver; upgrade the "
+                                f"driver{_or_install_torch_for(v.driver, False)}"))
+    if not v.cuda_available:
+        findings.append(Finding("warning", f"{torch} does not see CUDA although NVIDIA driver "
+                                f"{v.driver} is installed: check CUDA_VISIBLE_DEVICES and that "
+                                "the GPUs are visible to this process (in a container: the "
+                                "NVIDIA container runtime, e.g. --gpus all)"))
+    if not findings:
+        findings.append(Finding("ok", f"NVIDIA driver {v.driver} supports {torch} (CUDA "
+                                f"{_cuda_text(cuda)} build), and torch sees CUDA"))
+    return findings
+
+
+def _torch_rules(v: NodeVersions) -> list[Finding]:
+    if v.torch is None:
+        return [Finding("error", "torch is not installed: pip install -e . (on a GPU node, "
+                        "with the CUDA build of torch)")]
+    if v.torch_error:
+        return [Finding("error", f"torch {v.torch} is installed but `import torch` fails "
+                        f"({v.torch_error}): reinstall it")]
+    return []
+
+
+def _vllm_rules(v: NodeVersions) -> list[Finding]:
+    if v.vllm is None:
+        return []
+    findings = []
+    release = version_tuple(v.vllm)[:2]
+    if not VLLM_SUPPORTED[0] <= release < VLLM_SUPPORTED[1]:
+        findings.append(Finding("warning", f"vllm {v.vllm} is outside the releases Forage "
+                                f"supports ({VLLM_SUPPORTED_TEXT}): pip install -e '.[gpu]'"))
+    pin = v.vllm_torch_pin or VLLM_TORCH.get(base_version(v.vllm))
+    if pin is None:
+        findings.append(Finding("warning", f"vllm {v.vllm}: the torch it requires is unknown "
+                                "(no torch== requirement in its metadata): check that torch "
+                                "is the release this vLLM was built for"))
+    elif v.torch is None:
+        findings.append(Finding("error", f"vllm {v.vllm} requires torch=={pin} but torch is "
+                                f"not installed: pip install torch=={pin}"))
+    elif base_version(v.torch) != base_version(pin):
+        other = [vllm for vllm, torch in VLLM_TORCH.items() if torch == base_version(v.torch)]
+        instead = (f", or vllm {other[-1]} (built for torch {base_version(v.torch)})"
+                   if other else "")
+        findings.append(Finding("error", f"vllm {v.vllm} requires torch=={pin} but torch "
+                                f"{v.torch} is installed: install torch {pin} (a CUDA build "
+                                f"the driver supports){instead}"))
+    else:
+        findings.append(Finding("ok", f"vllm {v.vllm} and torch {v.torch}: the torch this "
+                                "vLLM requires"))
+    return findings
+
+
+def _faiss_rules(v: NodeVersions) -> list[Finding]:
+    if not v.faiss:
+        return [Finding("warning", "no faiss is installed; the retriever's dense indexes need "
+                        "it: pip install -e '.[cpu]' (faiss-cpu) or, on a GPU node, "
+                        "-e '.[gpu]' (faiss-gpu-cu12)")]
+    installed = ", ".join(f"{name} {version}" for name, version in sorted(v.faiss.items()))
+    findings = []
+    if len(v.faiss) > 1:
+        names = " ".join(sorted(v.faiss))
+        both = "both" if len(v.faiss) == 2 else "all"
+        findings.append(Finding("error", f"{installed} are {both} installed: each installs the "
+                                "`faiss` module, and the CPU one can win silently; pip "
+                                f"uninstall -y {names}, then install one: faiss-gpu-cu12 on a "
+                                "GPU node, faiss-cpu elsewhere"))
+    if v.faiss_error:
+        findings.append(Finding("error", f"{installed} is installed but `import faiss` fails "
+                                f"({v.faiss_error}): reinstall it"))
+    torch_cuda = cuda_tuple(v.torch_cuda) if v.torch_cuda and not v.torch_error else None
+    for name in sorted(v.faiss):
+        major = FAISS_DISTRIBUTIONS.get(name)
+        if major is None:
+            continue
+        if torch_cuda and torch_cuda[0] != major:
+            findings.append(Finding("error", f"{name} {v.faiss[name]} is built for CUDA "
+                                    f"{major} but torch {v.torch} for CUDA {torch_cuda[0]}: "
+                                    f"faiss needs the CUDA {major} libraries next to torch's "
+                                    f"CUDA {torch_cuda[0]} ones; install a torch built for "
+                                    f"CUDA {major}, or faiss-cpu and serve indexes from CPU"))
+        floor = CUDA_MAJOR_DRIVER_FLOOR.get(major)
+        if v.driver and floor and _below(v.driver, floor):
+            findings.append(Finding("error", f"{name} {v.faiss[name]} needs NVIDIA driver >= "
+                                    f"{floor} (found {v.driver}): upgrade the driver, or use "
+                                    "faiss-cpu"))
+    gpu_builds = [name for name in v.faiss if name in FAISS_GPU]
+    if v.driver and gpu_builds and not v.faiss_error and v.faiss_gpus == 0:
+        findings.append(Finding("warning", f"{gpu_builds[0]} sees no GPU (faiss.get_num_gpus() "
+                                f"is 0) although NVIDIA driver {v.driver} is installed: check "
+                                "CUDA_VISIBLE_DEVICES and faiss's CUDA libraries"))
+    if not findings:
+        findings.append(Finding("ok", f"one faiss distribution installed ({installed})"))
+    if v.driver and set(v.faiss) == {"faiss-cpu"}:
+        findings.append(Finding("info", "faiss-cpu on a GPU node: the retriever serves its "
+                                "indexes from CPU; for GPU search install the gpu extra "
+                                "(faiss-gpu-cu12, with a torch built for CUDA 12) instead of "
+                                "faiss-cpu"))
+    return findings
+
+
+def _flash_attn_rules(v: NodeVersions) -> list[Finding]:
+    if v.flash_attn is None or v.torch is None:
+        return []
+    built_for = None
+    if v.flash_attn_torch_pin:
+        built_for = base_version(v.flash_attn_torch_pin)
+    else:  # some builds name it in the local label: 2.8.3+cu12torch2.8cxx11abiTRUE
+        match = re.search(r"torch(\d+\.\d+)", v.flash_attn)
+        built_for = match.group(1) if match else None
+    if built_for is None:
+        return []
+    width = len(version_tuple(built_for))
+    if version_tuple(v.torch)[:width] != version_tuple(built_for):
+        return [Finding("info", f"flash-attn {v.flash_attn} was built for torch {built_for} but "
+                        f"torch {v.torch} is installed: the learner uses flash-attn when it "
+                        "imports; reinstall it for this torch (pip install flash-attn "
+                        "--no-build-isolation) or uninstall it")]
+    return [Finding("ok", f"flash-attn {v.flash_attn} was built for torch {built_for}")]
+
+
+# Every rule, in report order; each reads the record and returns its findings.
+RULES = (_driver_rules, _torch_rules, _vllm_rules, _faiss_rules, _flash_attn_rules)
+
+
+def check(versions: NodeVersions) -> list[Finding]:
+    """Every incompatibility among the versions found (empty: nothing wrong)."""
+    return [finding for rule in RULES for finding in rule(versions)]
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def _gpus_line(gpus: tuple[Gpu, ...]) -> str:
+    if not gpus:
+        return "none"
+    counts = Counter(gpus)
+    return "; ".join(f"{count} x {gpu.name}, {gpu.memory}" + (" each" if count > 1 else "")
+                     for gpu, count in counts.items())
+
+
+def report(v: NodeVersions) -> list[tuple[str, str]]:
+    """One (name, what was found) per component, in a fixed order."""
+    if v.driver_error:
+        driver = f"nvidia-smi failed: {v.driver_error}"
+    else:
+        driver = v.driver or "no NVIDIA driver (CPU only)"
+    if v.torch is None:
+        torch = "not installed"
+    elif v.torch_error:
+        torch = f"{v.torch} (import failed: {v.torch_error})"
+    else:
+        build = f"CUDA {v.torch_cuda} build" if v.torch_cuda else "CPU build (no CUDA)"
+        torch = f"{v.torch}, {build}, CUDA available: {'yes' if v.cuda_available else 'no'}"
+    vllm = "not installed"
+    if v.vllm:
+        pin = v.vllm_torch_pin or VLLM_TORCH.get(base_version(v.vllm))
+        vllm = f"{v.vllm} (requires torch=={pin})" if pin else v.vllm
+    if not v.faiss:
+        faiss = "not installed"
+    else:
+        faiss = ", ".join(f"{name} {version}" for name, version in sorted(v.faiss.items()))
+        if v.faiss_error:
+            faiss += f" (import failed: {v.faiss_error})"
+        elif v.faiss_gpus is not None:
+            faiss += f", faiss.get_num_gpus() = {v.faiss_gpus}"
+    if v.nccl:
+        nccl = v.nccl
+    else:
+        nccl = "n/a (torch sees no CUDA)" if not v.cuda_available else "unknown"
+    return [
+        ("os/python", f"{v.os}; {v.python}"),
+        ("nvidia driver", driver),
+        ("gpus", _gpus_line(v.gpus)),
+        ("torch", torch),
+        ("vllm", vllm),
+        ("faiss", faiss),
+        ("nccl", nccl),
+        ("flash-attn", v.flash_attn or "not installed"),
+        ("deepspeed", v.deepspeed or "not installed"),
+        ("transformers", v.transformers or "not installed"),
+    ]
+
+
+def counts(findings: list[Finding]) -> tuple[int, int]:
+    """(errors, warnings)."""
+    return (sum(f.level == "error" for f in findings), sum(f.level == "warning" for f in findings))
+
+
+def exit_code(findings: list[Finding]) -> int:
+    """0: nothing wrong (warnings and notes allowed); 1: at least one error."""
+    return 1 if counts(findings)[0] else 0
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
+def summary(findings: list[Finding]) -> str:
+    errors, warnings = counts(findings)
+    if errors:
+        return (f"doctor: FAIL, {_plural(errors, 'error')}, {_plural(warnings, 'warning')}: "
+                "this node cannot run Forage as installed; fix the errors above")
+    if warnings:
+        return f"doctor: OK with {_plural(warnings, 'warning')} (see above)"
+    return "doctor: OK, no incompatibility found"
+
+
+def render(versions: NodeVersions, findings: list[Finding]) -> str:
+    """The text report: the version lines, then one line per finding, then the summary."""
+    lines = report(versions)
+    width = max(len(name) for name, _ in lines)
+    out = [f"{name:<{width}}  {value}" for name, value in lines]
+    out.append("")
+    out.extend(f"{finding.level.upper()}: {finding.text}" for finding in findings)
+    out.append(summary(findings))
+    return "\n".join(out)
+
+
+def as_json(versions: NodeVersions, findings: list[Finding]) -> dict[str, Any]:
+    errors, warnings = counts(findings)
+    return {
+        "ok": not errors,
+        "errors": errors,
+        "warnings": warnings,
+        "versions": asdict(versions),
+        "report": [{"name": name, "value": value} for name, value in report(versions)],
+        "findings": [asdict(finding) for finding in findings],
+        "summary": summary(findings),
+    }
