@@ -270,12 +270,19 @@ def _faiss_rules(v: NodeVersions) -> list[Finding]:
         major = FAISS_DISTRIBUTIONS.get(name)
         if major is None:
             continue
-        if torch_cuda and torch_cuda[0] != major:
+        if torch_cuda and torch_cuda[0] > major:
+            # faiss-gpu-cuXX brings its own CUDA XX runtime (other sonames than torch's), and
+            # a newer driver runs older CUDA: the pair may work, but it has not been run here.
+            findings.append(Finding("warning", f"{name} {v.faiss[name]} is built for CUDA "
+                                    f"{major} but torch {v.torch} for CUDA {torch_cuda[0]}: "
+                                    f"faiss loads its own CUDA {major} libraries beside torch's "
+                                    "(not run together by Forage); check a GPU index with "
+                                    "`forage retriever serve --device cuda`, or use faiss-cpu"))
+        elif torch_cuda and torch_cuda[0] < major:
             findings.append(Finding("error", f"{name} {v.faiss[name]} is built for CUDA "
                                     f"{major} but torch {v.torch} for CUDA {torch_cuda[0]}: "
-                                    f"faiss needs the CUDA {major} libraries next to torch's "
-                                    f"CUDA {torch_cuda[0]} ones; install a torch built for "
-                                    f"CUDA {major}, or faiss-cpu and serve indexes from CPU"))
+                                    f"faiss needs a driver and libraries for CUDA {major}; "
+                                    f"install faiss built for CUDA {torch_cuda[0]}, or faiss-cpu"))
         floor = CUDA_MAJOR_DRIVER_FLOOR.get(major)
         if v.driver and floor and _below(v.driver, floor):
             findings.append(Finding("error", f"{name} {v.faiss[name]} needs NVIDIA driver >= "
