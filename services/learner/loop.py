@@ -27,6 +27,7 @@ in-memory samples, and its checkpointed ledger re-issues every group that was in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -182,6 +183,10 @@ class LearnerLoop:
         self.test_rows: list[dict[str, Any]] = []
         self.eval_results: dict[str, ScoredTrajectory] = {}
         self.eval_pending: set[str] = set()
+        # Evaluation questions by uid, for re-issuing one whose trajectory failed (a search
+        # that never reached the retriever), and how many were given up that way.
+        self.eval_groups: dict[str, Any] = {}
+        self.eval_failed: list[str] = []
         self.filtered_in_a_row = 0
         self.last_lag_update = 0.0
         self.consumer = "learner-0"
@@ -439,7 +444,9 @@ class LearnerLoop:
             ids.append(message.id)
             traj = item.trajectory
             if traj.kind == "eval":
-                if traj.uid in self.eval_pending:
+                if traj.uid in self.eval_pending and traj.finish_reason == "error":
+                    self._retry_eval(traj)
+                elif traj.uid in self.eval_pending:
                     self.eval_pending.discard(traj.uid)
                     self.eval_results[traj.uid] = item
                 continue
@@ -692,6 +699,27 @@ class LearnerLoop:
 
     # ================================================================== evaluation
 
+    def _retry_eval(self, traj: Any) -> None:
+        """An evaluation trajectory that failed (its search never reached the retriever, the
+        engine erred) says nothing about the policy: it is never scored as a wrong answer. The
+        question is issued again, up to `learner.max_attempts` in all, then left out of the
+        evaluation and counted in `eval/failed`."""
+        group = self.eval_groups.get(traj.uid)
+        if group is None:
+            return
+        if group.attempt + 1 < self.learner.max_attempts:
+            retry = dataclasses.replace(group, attempt=group.attempt + 1)
+            self.eval_groups[traj.uid] = retry
+            self._publish_groups([retry])
+            log.warning("evaluation question %s failed (%s); issuing it again (%d/%d)",
+                        traj.uid, traj.error or "error", retry.attempt + 1,
+                        self.learner.max_attempts)
+            return
+        self.eval_pending.discard(traj.uid)
+        self.eval_failed.append(traj.uid)
+        log.warning("evaluation question %s failed %d times (%s); left out of this evaluation",
+                    traj.uid, self.learner.max_attempts, traj.error or "error")
+
     def _evaluate(self) -> dict[str, Any] | None:
         """Greedy pass over the test set through the rollout service; one `eval` JSON line."""
         if not self.test_rows:
@@ -704,6 +732,8 @@ class LearnerLoop:
                   for uid, row in zip(uids, self.test_rows, strict=True)]
         self.eval_results = {}
         self.eval_pending = set(uids)
+        self.eval_groups = dict(zip(uids, groups, strict=True))
+        self.eval_failed = []
         self._publish_groups(groups)
         log.info("evaluating %d test questions with policy version %d", len(uids), version)
         from tqdm import tqdm
@@ -724,6 +754,7 @@ class LearnerLoop:
                                   "time": time.time(),
                                   "elapsed_s": time.monotonic() - self.started,
                                   "eval/n": len(items), "eval/missing": len(self.eval_pending),
+                                  "eval/failed": len(self.eval_failed),
                                   "eval/em": metrics.get("eval/em/mean"),
                                   "eval/reward": metrics.get("eval/reward/mean"),
                                   "eval/seconds": time.monotonic() - started}

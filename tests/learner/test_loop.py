@@ -83,7 +83,7 @@ def trajectory(group: PromptGroup, index: int, version: int, *, error: bool = Fa
         rollout_logprobs=[-1.0] * len(response),
         turns=[Turn(0, len(response), "answer")],
         finish_reason="error" if error else "answer", ground_truth=group.ground_truth,
-        error="retriever unreachable" if error else None,
+        error="retriever unreachable" if error else None, kind=group.kind,
     )
 
 
@@ -194,6 +194,40 @@ def test_loop_accounting_and_resume(tmp_path, redis_url, namespace, tiny_policy)
     assert lines[4]["policy_version"] == 7  # 5 was published before the restart
     assert lines[-1]["groups/balanced"] == 1
     assert "resumed from" in log.read_text()
+
+
+def test_eval_never_counts_a_failed_search(tmp_path, redis_url, namespace, tiny_policy):
+    """An evaluation trajectory whose search failed (retriever not ready) is not a wrong
+    answer: the question is issued again, and after learner.max_attempts left out and counted
+    in eval/failed."""
+    config = write_run(tmp_path, redis_url, namespace, tiny_policy, total_steps=1,
+                       eval_before=True)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["data"]["test_files"] = cfg["data"]["train_files"]
+    config.write_text(yaml.safe_dump(cfg))
+    log = tmp_path / "learner.log"
+    script = Script(redis_url, namespace)
+
+    def plan(group: PromptGroup, nth: int) -> str:
+        if group.kind != "eval":
+            return "normal"
+        if group.uid.endswith("-2"):
+            return "error"  # never recovers
+        return "error" if group.attempt == 0 and group.uid.endswith(("-0", "-1")) else "normal"
+
+    proc = start_learner(config, log)
+    try:
+        script.serve(proc, plan, until=time.time() + 180)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    [evaluation] = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "eval"]
+    assert evaluation["eval/n"] == 5 and evaluation["eval/failed"] == 1
+    assert evaluation["eval/missing"] == 0
+    attempts = [a for uid, a in script.seen if uid.endswith("-2") and uid.startswith("eval")]
+    assert attempts == [0, 1, 2]
+    assert "left out of this evaluation" in log.read_text()
 
 
 def test_bad_estimator_fails_fast(tmp_path, redis_url, namespace, tiny_policy):
