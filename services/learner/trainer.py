@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -36,6 +37,9 @@ from services.learner.packing import (
     plan_shared_rows,
     split_mini_batches,
 )
+
+if TYPE_CHECKING:
+    from services.learner.algorithms import AlgorithmSettings
 
 log = logging.getLogger("forage.learner.trainer")
 
@@ -196,28 +200,75 @@ class PolicyTrainer:
         names: Sequence[str],
         compute: Callable[[MicroBatch], dict[str, torch.Tensor]],
     ) -> None:
-        """Per-token fields `names` from one forward per micro-batch, each rank on its share.
+        """Per-token fields `names` from one forward per micro-batch, each rank on its share
+        (`_token_values`), stored on every sample."""
+        values = self._token_values(samples, list(range(len(samples))), names, compute)
+        for name, per_sample in values.items():
+            for index, sample in enumerate(samples):
+                sample.set_field(name, per_sample[index])
 
-        The exchange is a SUM all-reduce of one flat buffer per field over all samples' tokens
-        (every rank knows every length), so nothing is serialised between ranks.
+    def _token_values(
+        self,
+        samples: Sequence[Sample],
+        indices: Sequence[int],
+        names: Sequence[str],
+        compute: Callable[[MicroBatch], dict[str, torch.Tensor]],
+    ) -> dict[str, dict[int, np.ndarray]]:
+        """Per-token values `names` of `samples[indices]` ({name: {index: (len,) float32}}) from
+        one forward per micro-batch of the same plan an update over `indices` uses, each rank on
+        its share; every rank gets all of them.
+
+        The exchange is a SUM all-reduce of one flat buffer per field over all the samples'
+        tokens (every rank knows every length), so nothing is serialised between ranks.
         """
-        offsets = np.cumsum([0] + [len(s) for s in samples])
+        position = {index: k for k, index in enumerate(indices)}
+        offsets = np.cumsum([0] + [len(samples[i]) for i in indices])
         buffers = {name: torch.zeros(int(offsets[-1]), dtype=torch.float32, device=self.device)
                    for name in names}
-        for micro in self._plan(samples, list(range(len(samples)))):
+        for micro in self._plan(samples, indices):
             mb = self._pack(samples, micro)
             outputs = compute(mb)
             for name, buffer in buffers.items():
                 values = outputs[name]
                 for row, index in enumerate(mb.sample_indices):
-                    n = mb.seq_lens[row]
-                    buffer[offsets[index] : offsets[index] + n] = \
-                        mb.sample_values(values, row).float()
+                    start, n = int(offsets[position[index]]), mb.seq_lens[row]
+                    buffer[start : start + n] = mb.sample_values(values, row).float()
+        out: dict[str, dict[int, np.ndarray]] = {}
         for name, buffer in buffers.items():
             D.all_reduce_sum(buffer)
             host = buffer.cpu().numpy()
-            for index, sample in enumerate(samples):
-                sample.set_field(name, host[offsets[index] : offsets[index + 1]])
+            out[name] = {index: host[offsets[k] : offsets[k + 1]]
+                         for k, index in enumerate(indices)}
+        return out
+
+    @torch.no_grad()
+    def loss_token_entropies(
+        self, samples: Sequence[Sample], indices: Sequence[int]
+    ) -> tuple[dict[int, np.ndarray], torch.Tensor | None]:
+        """TRL `top_entropy_quantile`'s inputs for the mini-batch `samples[indices]`: each
+        sample's per-token entropy under the current policy (one no-grad forward per
+        micro-batch, packed as the update packs them; temperature applied, float32) and the
+        keep threshold, the (1 - top_entropy_quantile) quantile of the entropies of every loss
+        token of the mini-batch on all ranks (None: no loss token). Same on every rank.
+
+        TRL pools the loss tokens of one forward over all processes; here the pool is the
+        optimizer step's, so the selection does not depend on the micro-batch packing (the
+        same as TRL with one forward per optimizer step). Costs one forward per mini-batch."""
+        from services.learner import algorithms as alg
+
+        self.policy.eval()
+
+        def compute(mb: MicroBatch) -> dict[str, torch.Tensor]:
+            with self._autocast():
+                logits = self._forward(self.policy, mb).logits
+            return {"entropy": token_entropy(logits, self.temperature)}
+
+        entropies = self._token_values(samples, indices, ("entropy",), compute)["entropy"]
+        pooled = np.concatenate([entropies[i][samples[i].loss_mask > 0] for i in indices]
+                                or [np.zeros(0, dtype=np.float32)])
+        threshold = alg.entropy_threshold(torch.from_numpy(pooled),
+                                          self.options.top_entropy_quantile)
+        return entropies, threshold
 
     @torch.no_grad()
     def compute_log_probs(
@@ -384,10 +435,16 @@ class PolicyTrainer:
     # ------------------------------------------------------------------------------- RL
 
     def rl_loss(
-        self, mb: MicroBatch, logits: torch.Tensor, tokens: float, seqs: float
+        self, mb: MicroBatch, logits: torch.Tensor, tokens: float, seqs: float,
+        entropies: Mapping[int, np.ndarray] | None = None,
+        entropy_threshold: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """PPO-family loss of one micro-batch, normalised by the global token / sequence counts
-        of the whole mini-batch (see the module doc)."""
+        of the whole mini-batch (see the module doc).
+
+        `entropies` / `entropy_threshold`: `loss_token_entropies` of the mini-batch, which
+        `rl_step` passes when `top_entropy_quantile` < 1; without them the threshold is taken
+        over this call's own loss tokens (TRL's rule for one forward)."""
         from services.learner import algorithms as alg
 
         opt = self.options
@@ -423,11 +480,27 @@ class PolicyTrainer:
             weights, corr_metrics = alg.rollout_is_weights(
                 old - rows(mb.fields["rollout_logprobs"]), mask, "token",
                 opt.effective_rollout_is_threshold)
+        keep, keep_metrics = None, {}
+        if opt.uses_token_keep:
+            behaviour = rows(mb.fields["rollout_logprobs"]) if "rollout_logprobs" in mb.fields \
+                else old
+            if opt.uses_entropy_mask:
+                if entropies is None:
+                    ent = rows(token_entropy(logits.detach(), self.temperature))
+                else:
+                    ent = _response_rows(mb, entropies, mask.device)
+                    ent = ent if pick is None else ent[pick]
+            else:
+                ent = None
+            threshold = None if entropy_threshold is None else entropy_threshold.to(mask.device)
+            keep, keep_metrics = _token_keep(opt, adv, log_prob, behaviour, mask, ent, threshold)
         settings = opt.loss_settings().with_counts(tokens, seqs, self._loss_scale_factor())
+        settings = settings.with_keep(keep)
         counts = settings.counts()
         pg_loss, pg_metrics = alg.compute_policy_loss(name, log_prob, old, adv, mask, settings,
                                                       weights)
         pg_metrics.update({f"rollout_corr/{k}": v for k, v in corr_metrics.items()})
+        pg_metrics.update(keep_metrics)
         loss = pg_loss
         share = float(mask.sum()) / tokens  # this micro-batch's share, to average metrics
         metrics: dict[str, float] = {"pg_loss": float(pg_loss.detach())}
@@ -438,6 +511,9 @@ class PolicyTrainer:
                 raise ValueError("use_kl_loss needs ref_logprobs (compute_log_probs(..., 'ref'))")
             ref = rows(mb.fields["ref_logprobs"])
             kl_mat = alg.kl_penalty(log_prob, ref, opt.kl_loss_type, clamp=opt.kl_clamp)
+            if opt.use_bias_correction_kl:  # TRL: the KL per token times pi_theta / pi_old
+                kl_mat = alg.bias_corrected_kl(kl_mat, log_prob, old, mask,
+                                               opt.importance_sampling_level, opt.log_ratio_clamp)
             kl = alg.agg_loss(kl_mat, mask, opt.loss_agg_mode, **counts)
             loss = loss + opt.kl_loss_coef * kl
             metrics["kl_loss"] = float(kl.detach())
@@ -494,7 +570,12 @@ class PolicyTrainer:
         steps: list[dict[str, float]] = []
         for _ in range(self.cfg.ppo_epochs):
             for mini in split_mini_batches(len(samples), self.cfg.mini_batch_size):
-                m = self._run_update(self.policy, samples, mini, self.rl_loss, self._policy_out,
+                loss_fn: Callable[..., tuple[torch.Tensor, dict[str, float]]] = self.rl_loss
+                if self.options.uses_entropy_mask:  # TRL top_entropy_quantile
+                    entropies, threshold = self.loss_token_entropies(samples, mini)
+                    loss_fn = partial(self.rl_loss, entropies=entropies,
+                                      entropy_threshold=threshold)
+                m = self._run_update(self.policy, samples, mini, loss_fn, self._policy_out,
                                      step_rows=self.options.step_rows)
                 if self.critic is not None:
                     critic = self.critic
@@ -544,6 +625,49 @@ class PolicyTrainer:
 
 STEP_INDEX_MISSING = ("learner.algorithm.loss_rows=step needs each sample's step_index "
                       "(services.learner.rl_batch.samples_of(items, step_rows=True))")
+
+
+def _response_rows(mb: MicroBatch, per_sample: Mapping[int, np.ndarray],
+                   device: torch.device) -> torch.Tensor:
+    """(n_seq, T) response rows of a per-token value held per sample (full-length arrays keyed
+    by sample index), laid out like `mb.response_matrix`."""
+    resp_lens = [n - p for n, p in zip(mb.seq_lens, mb.prompt_lens, strict=True)]
+    out = torch.zeros(len(resp_lens), max(resp_lens, default=0), dtype=torch.float32)
+    for row, (index, p, k) in enumerate(zip(mb.sample_indices, mb.prompt_lens, resp_lens,
+                                            strict=True)):
+        out[row, :k] = torch.from_numpy(np.asarray(per_sample[index][p : p + k],
+                                                   dtype=np.float32))
+    return out.to(device)
+
+
+def _token_keep(
+    opt: AlgorithmSettings,
+    advantages: torch.Tensor,
+    log_prob: torch.Tensor,
+    behaviour_log_prob: torch.Tensor,
+    mask: torch.Tensor,
+    entropies: torch.Tensor | None,
+    entropy_threshold: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """TRL's 0/1 multiplier of the per-token policy loss (token_masks.py): the off-policy
+    sequence mask (`off_policy_mask_threshold`; behaviour = the rollout's log-probs, else the
+    old ones, as TRL's sampling_per_token_logps) times the top-entropy mask
+    (`top_entropy_quantile`), and their fractions over this call's loss tokens."""
+    from services.learner import algorithms as alg
+
+    keep: torch.Tensor | None = None
+    metrics: dict[str, torch.Tensor] = {}
+    if opt.off_policy_mask_threshold is not None:
+        keep = alg.off_policy_sequence_mask(advantages, log_prob, behaviour_log_prob, mask,
+                                            opt.off_policy_mask_threshold)
+        keep = keep.expand_as(mask).to(mask.dtype)
+        metrics["off_policy_masked_fraction"] = alg.masked_mean(1.0 - keep, mask)
+    if entropies is not None:
+        high = alg.high_entropy_mask(entropies, mask, opt.top_entropy_quantile,
+                                     entropy_threshold).to(mask.dtype)
+        metrics["entropy_mask_kept_fraction"] = alg.masked_mean(high, mask)
+        keep = high if keep is None else keep * high
+    return keep, metrics
 
 
 def _require_step_index(samples: Sequence[Sample], indices: Sequence[int]) -> None:

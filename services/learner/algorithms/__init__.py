@@ -25,6 +25,8 @@ from services.learner.algorithms.kl import (
     AdaptiveKLController,
     FixedKLController,
     apply_kl_penalty,
+    bias_corrected_kl,
+    kl_importance_weight,
     kl_penalty,
     make_kl_controller,
 )
@@ -39,6 +41,7 @@ from services.learner.algorithms.multi_turn import (
     stepwise_broadcast,
     stepwise_per_step,
 )
+from services.learner.algorithms.pf_ppo import PF_PPO_METHODS, pf_ppo_resample, pf_ppo_weights
 from services.learner.algorithms.policy_loss import entropy_from_logits, policy_loss
 from services.learner.algorithms.policy_losses import (
     POLICY_LOSSES,
@@ -58,6 +61,12 @@ from services.learner.algorithms.token_baselines import (
     optimal_token_baseline,
     tir_optimal_token_baseline,
 )
+from services.learner.algorithms.token_masks import (
+    entropy_threshold,
+    high_entropy_mask,
+    linear_quantile,
+    off_policy_sequence_mask,
+)
 from services.learner.algorithms.value_loss import value_loss
 
 __all__ = [
@@ -70,15 +79,18 @@ __all__ = [
     "LOSS_AGG_MODES",
     "LossSettings",
     "MULTI_TURN_MODES",
+    "PF_PPO_METHODS",
     "POLICY_LOSSES",
     "agg_loss",
     "apply_kl_penalty",
     "apply_overconfidence_penalty",
+    "bias_corrected_kl",
     "bnpo",
     "compute_advantage",
     "compute_policy_loss",
     "count_step_rows",
     "entropy_from_logits",
+    "entropy_threshold",
     "filter_groups",
     "gae",
     "gdpo",
@@ -87,15 +99,21 @@ __all__ = [
     "gpg",
     "grpo",
     "grpo_passk",
+    "high_entropy_mask",
+    "kl_importance_weight",
     "kl_penalty",
+    "linear_quantile",
     "make_kl_controller",
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "off_policy_sequence_mask",
     "opo",
     "optimal_token_baseline",
     "overconfidence_penalty",
     "overconfidence_penalty_metrics",
+    "pf_ppo_resample",
+    "pf_ppo_weights",
     "policy_loss",
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",

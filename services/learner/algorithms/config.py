@@ -81,6 +81,14 @@ class AlgorithmSettings(Section):
     max_response_len: int | None = Field(default=None, ge=1)
     mask_truncated_completions: bool = False  # TRL: no loss on finish_reason "length" rows
     entropy_coeff: float = 0.0
+    # TRL off_policy_mask_threshold (token_masks.off_policy_sequence_mask; GRPOTrainer
+    # .get_off_policy_mask, trl 1.16.0): drop the policy loss of negative-advantage sequences
+    # whose mean log pi_behaviour - log pi_theta exceeds it. None: off (TRL's default).
+    off_policy_mask_threshold: float | None = Field(default=None, gt=0)
+    # TRL top_entropy_quantile (token_masks.high_entropy_mask; GRPOTrainer
+    # .get_high_entropy_mask): policy loss only on the tokens whose entropy is in the top
+    # quantile of the mini-batch's loss tokens. 1.0: every token (TRL's default).
+    top_entropy_quantile: float = Field(default=1.0, ge=0, le=1)
     # --- rollout correction (rollout_correction.py; verl algorithm.rollout_correction) ---
     rollout_is: Literal["token", "sequence"] | None = None
     rollout_is_threshold: float | str = 2.0  # "2.0": truncate (TIS); "0.5_5.0": IcePop
@@ -101,11 +109,20 @@ class AlgorithmSettings(Section):
     kl_loss_coef: float = Field(default=0.001, ge=0)
     kl_loss_type: str = "low_var_kl"
     kl_clamp: bool = True  # k3 clamps (verl); False = TRL's unclamped k3
+    # TRL use_bias_correction_kl (kl.bias_corrected_kl; GRPOTrainer._compute_loss): the KL loss
+    # per token times pi_theta / pi_old. TRL defaults to True; False here keeps verl's KL loss.
+    use_bias_correction_kl: bool = False
     # --- critic (gae) ---
     cliprange_value: float = Field(default=0.5, gt=0)
     # --- group filter (DAPO dynamic sampling) ---
     filter_groups: bool = False
     filter_keep_singletons: bool = True
+    # --- PF-PPO (pf_ppo.py; verl algorithm.use_pf_ppo / pf_ppo.reweight_method / weight_pow,
+    # core_algos.compute_pf_ppo_reweight_data): resample the batch by reward-based weights.
+    # The RL loop does not call it yet, so use_pf_ppo=True is refused (docs/algorithms.md).
+    use_pf_ppo: bool = False
+    pf_ppo_reweight_method: Literal["pow", "max_min", "max_random"] = "pow"
+    pf_ppo_weight_pow: float = 2.0
 
     @field_validator("loss_agg_mode")
     @classmethod
@@ -139,7 +156,41 @@ class AlgorithmSettings(Section):
         if self.gdpo_reward_weights is not None and (
                 len(self.gdpo_reward_weights) != len(self.gdpo_reward_keys)):
             raise ValueError("gdpo_reward_weights needs one weight per gdpo_reward_keys entry")
+        if self.use_bias_correction_kl and not self.use_kl_loss:
+            raise ValueError("use_bias_correction_kl weights the KL loss term: it needs "
+                             "use_kl_loss: true")
+        if self.uses_token_keep and self.effective_policy_loss == "geo_mean":
+            raise ValueError("off_policy_mask_threshold / top_entropy_quantile < 1 mask the "
+                             "per-token loss, which policy_loss geo_mean does not have")
+        if self.use_pf_ppo:
+            raise ValueError("use_pf_ppo: the RL loop does not resample batches yet; "
+                             "services.learner.algorithms.pf_ppo_resample is the pure function "
+                             "(docs/algorithms.md, PF-PPO)")
         return self
+
+    @property
+    def uses_entropy_mask(self) -> bool:
+        """TRL applies the top-entropy mask only below 1.0 (`top_entropy_quantile < 1.0`)."""
+        return self.top_entropy_quantile < 1.0
+
+    @property
+    def uses_token_keep(self) -> bool:
+        """Whether the policy loss gets a 0/1 per-token multiplier (token_masks.py)."""
+        return self.off_policy_mask_threshold is not None or self.uses_entropy_mask
+
+    @property
+    def importance_sampling_level(self) -> Literal["token", "sequence"]:
+        """TRL's importance_sampling_level of the configured loss: "sequence" for
+        `ratio_kind: sequence` and the sequence-ratio losses (gspo, luspo); the level of the
+        bias-corrected KL's ratio. Bypass mode's loss is token-level (policy_losses.py)."""
+        name = self.effective_policy_loss
+        if name in ("gspo", "luspo") or (self.ratio_kind == "sequence" and name != "bypass_mode"):
+            return "sequence"
+        return "token"
+
+    def pf_ppo_options(self) -> dict[str, Any]:
+        """Keyword arguments of `pf_ppo_resample` (besides the scores and the generator)."""
+        return {"method": self.pf_ppo_reweight_method, "weight_pow": self.pf_ppo_weight_pow}
 
     @property
     def effective_policy_loss(self) -> str:

@@ -12,6 +12,8 @@ Estimators of KL(pi || ref) from samples of pi, with d = logp - ref_logp (Schulm
 
 As a loss term the trainer adds `coef * agg_loss(kl_penalty(logp, ref, kind), mask, mode)`;
 aggregation is linear, so this equals TRL adding beta * KL per token before its normalisation.
+With TRL's `use_bias_correction_kl` the per-token estimate is first multiplied by the
+importance ratio pi_theta / pi_old (`bias_corrected_kl`).
 As a reward penalty, `apply_kl_penalty` subtracts beta * KL from the token-level scores.
 """
 
@@ -50,6 +52,51 @@ def kl_penalty(
     if kind == "full":
         raise NotImplementedError("the full-distribution KL needs logits, not log-probs")
     raise ValueError(f"unknown KL kind {kind!r}; choose one of {', '.join(KL_KINDS)} (+ '+')")
+
+
+def kl_importance_weight(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    mask: torch.Tensor,
+    level: str = "token",
+    log_ratio_clamp: float | None = None,
+) -> torch.Tensor:
+    """TRL's `coef_1` (trl 1.16.0 `GRPOTrainer._compute_loss`), differentiable: exp(logp - old)
+    per token (`level="token"`, (B, T)), or exp of the row's mean log ratio over its masked
+    tokens, divisor max(tokens, 1) (`level="sequence"`, TRL importance_sampling_level, (B, 1)).
+    `log_ratio_clamp` bounds the log weight to +-clamp (Forage's `log_ratio_clamp`; None: TRL,
+    no clamp)."""
+    log_ratio = log_prob - old_log_prob
+    if level == "token":
+        log_weight = log_ratio
+    elif level == "sequence":
+        weights = mask.to(log_ratio.dtype)
+        log_weight = ((log_ratio * weights).sum(dim=-1)
+                      / weights.sum(dim=-1).clamp(min=1.0)).unsqueeze(-1)
+    else:
+        raise ValueError(f"importance sampling level must be 'token' or 'sequence', got {level!r}")
+    if log_ratio_clamp is not None:
+        log_weight = log_weight.clamp(min=-log_ratio_clamp, max=log_ratio_clamp)
+    return torch.exp(log_weight)
+
+
+def bias_corrected_kl(
+    kl: torch.Tensor,
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    mask: torch.Tensor,
+    level: str = "token",
+    log_ratio_clamp: float | None = None,
+) -> torch.Tensor:
+    """TRL `use_bias_correction_kl` (trl 1.16.0 `GRPOTrainer._compute_loss`;
+    DeepSeek-V3.2, arXiv 2512.02556): the per-token KL estimate times the importance ratio
+    pi_theta / pi_old (`kl_importance_weight`, not detached).
+
+    Why: the KL estimate is taken on tokens sampled from pi_old, not pi_theta; weighting it by
+    the ratio makes its gradient the unbiased gradient of the reverse KL(pi_theta || ref). The
+    ratio's gradient counts even where its value is 1 (on-policy), so this changes the KL
+    gradient whenever the KL loss is on."""
+    return kl * kl_importance_weight(log_prob, old_log_prob, mask, level, log_ratio_clamp)
 
 
 class FixedKLController:

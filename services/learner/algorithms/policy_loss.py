@@ -20,6 +20,11 @@ How the knobs map onto the libraries (reference/algorithms.md sections 2, 4, 6):
   when `log_ratio_clamp` is not None) and uses no dual clip, so none is applied; `delta` is.
 - Off-policy correction: `rollout_is_weights` (from `rollout_correction`, detached) multiply each
   token's loss, as verl's losses do with their `rollout_is_weights` argument.
+- `token_keep`: a detached 0/1 multiplier of each token's loss (TRL's off-policy sequence mask
+  and top-entropy mask, token_masks.py); the aggregation mask, hence every normaliser, is
+  unchanged, as in TRL's `per_token_loss * mask`. With it the sequence ratio takes TRL's
+  gradient (`importance_ratio(..., sequence_grad="mean")`), since the keep weights need not be
+  constant within a row.
 
 Metrics use verl's names (`pg_clipfrac`, `ppo_kl`, `pg_clipfrac_lower`; the trainer prefixes
 `actor/`) plus TRL's clip-region fractions (`clipfrac_high`, `clipfrac_low`).
@@ -41,8 +46,15 @@ def importance_ratio(
     mask: torch.Tensor,
     ratio_kind: str,
     log_ratio_clamp: float | None,
+    sequence_grad: str = "token",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ratio, token log-ratio for the approx-KL metric) at the token or sequence level."""
+    """(ratio, token log-ratio for the approx-KL metric) at the token or sequence level.
+
+    The sequence ratio's gradient: `sequence_grad="token"` is verl's stop-gradient form (each
+    token's loss differentiates its own log-prob); "mean" is TRL's plain exp(mean_t log ratio),
+    whose gradient reaches every token of the row by 1/|y|. The two agree whenever each
+    token's loss weight is the same within a row; they part under a per-token mask such as
+    TRL's top-entropy mask, where "mean" is TRL's."""
     diff = log_prob - old_log_prob
     if ratio_kind == "token":
         log_ratio = diff
@@ -52,7 +64,12 @@ def importance_ratio(
     if ratio_kind == "sequence":
         lengths = mask.sum(dim=-1).clamp(min=1)
         log_seq = (diff * mask).sum(dim=-1) / lengths
-        log_ratio = log_prob - log_prob.detach() + log_seq.detach().unsqueeze(-1)
+        if sequence_grad == "mean":
+            log_ratio = log_seq.unsqueeze(-1).expand_as(log_prob)
+        elif sequence_grad == "token":
+            log_ratio = log_prob - log_prob.detach() + log_seq.detach().unsqueeze(-1)
+        else:
+            raise ValueError(f"sequence_grad must be 'token' or 'mean', got {sequence_grad!r}")
         if log_ratio_clamp is not None:
             log_ratio = log_ratio.clamp(max=GSPO_LOG_RATIO_MAX)
         return torch.exp(log_ratio), diff
@@ -73,6 +90,7 @@ def policy_loss(
     delta: float | None = None,
     rollout_is_weights: torch.Tensor | None = None,
     log_ratio_clamp: float | None = 20.0,
+    token_keep: torch.Tensor | None = None,
     global_token_count: float | torch.Tensor | None = None,
     global_seq_count: float | torch.Tensor | None = None,
     max_response_len: int | None = None,
@@ -89,7 +107,9 @@ def policy_loss(
     if delta is not None and delta <= 0:
         raise ValueError(f"delta must be > 0 (TRL's ratio cap), got {delta}")
     mask = response_mask.to(log_prob.dtype)
-    ratio, log_ratio = importance_ratio(log_prob, old_log_prob, mask, ratio_kind, log_ratio_clamp)
+    # TRL's masks vary the weight within a row: take TRL's sequence-ratio gradient with them
+    ratio, log_ratio = importance_ratio(log_prob, old_log_prob, mask, ratio_kind, log_ratio_clamp,
+                                        "token" if token_keep is None else "mean")
     unclipped = -advantages * ratio
     clipped_ratio = ratio.clamp(min=1.0 - clip_ratio_low, max=1.0 + clip_ratio_high)
     clipped = -advantages * clipped_ratio
@@ -103,6 +123,8 @@ def policy_loss(
         loss_mat = torch.where(negative, torch.minimum(loss_mat, bound), loss_mat)
     if rollout_is_weights is not None:
         loss_mat = loss_mat * rollout_is_weights.detach()
+    if token_keep is not None:  # TRL's off-policy / top-entropy masks (token_masks.py)
+        loss_mat = loss_mat * token_keep.detach().to(loss_mat.dtype)
 
     loss = agg_loss(
         loss_mat,

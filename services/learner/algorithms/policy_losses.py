@@ -8,7 +8,9 @@ counts of the call, so all losses share one calling convention, as verl's share 
 Definitions follow verl 0.9.1's `core_algos.py` (read from the PyPI wheel; reference/
 algorithms.md sections 2 and 4) and TRL 1.16's `GRPOTrainer._compute_loss`; each function names
 what it follows and where Forage departs from it. Metrics use verl's names (`pg_clipfrac`,
-`ppo_kl`, `pg_clipfrac_lower`), reported only where verl reports them.
+`ppo_kl`, `pg_clipfrac_lower`), reported only where verl reports them. `LossSettings.token_keep`
+(TRL's off-policy and top-entropy masks, token_masks.py) multiplies every loss's per-token
+loss before aggregation (all but geo_mean, which refuses it).
 
 Micro-batching: with the global counts given (`LossSettings.global_token_count` /
 `global_seq_count`), every loss except `clip_cov` and `kl_cov` returns this call's exact share of
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -69,6 +71,11 @@ class LossSettings:
     global_token_count: float | None = None
     global_seq_count: float | None = None
     max_response_len: int | None = None
+    # This call's detached 0/1 multiplier of the per-token loss, broadcastable to (B, T): TRL's
+    # off-policy sequence mask and top-entropy mask (token_masks.py). It multiplies the loss,
+    # not the aggregation mask, so the normalisers still count the dropped tokens (TRL's
+    # `per_token_loss * off_policy_mask * entropy_mask`); None = keep all.
+    token_keep: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def counts(self) -> dict[str, Any]:
         return {"global_token_count": self.global_token_count,
@@ -78,6 +85,9 @@ class LossSettings:
     def with_counts(self, tokens: float, seqs: float, max_response_len: int | None) -> LossSettings:
         return replace(self, global_token_count=tokens, global_seq_count=seqs,
                        max_response_len=max_response_len)
+
+    def with_keep(self, token_keep: torch.Tensor | None) -> LossSettings:
+        return replace(self, token_keep=token_keep)
 
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
@@ -101,11 +111,18 @@ def get_policy_loss_fn(name: str) -> PolicyLossFn:
 
 def _agg(loss_mat: torch.Tensor, mask: torch.Tensor, s: LossSettings,
          mode: str | None = None) -> torch.Tensor:
+    if s.token_keep is not None:
+        loss_mat = loss_mat * s.token_keep.detach().to(loss_mat.dtype)
     return agg_loss(loss_mat, mask, mode or s.loss_agg_mode, **s.counts())
 
 
 def _weighted(loss_mat: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> torch.Tensor:
     return loss_mat if rollout_is_weights is None else loss_mat * rollout_is_weights.detach()
+
+
+def _sequence_grad(s: LossSettings) -> str:
+    """TRL's sequence-ratio gradient under TRL's per-token masks (policy_loss.importance_ratio)."""
+    return "token" if s.token_keep is None else "mean"
 
 
 def _ppo_kl(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -132,7 +149,8 @@ def vanilla(log_prob, old_log_prob, advantages, response_mask, s: LossSettings,
         log_prob, old_log_prob, advantages, response_mask, loss_agg_mode=s.loss_agg_mode,
         clip_ratio_low=s.clip_ratio_low, clip_ratio_high=s.clip_ratio_high,
         clip_ratio_c=s.clip_ratio_c, ratio_kind=s.ratio_kind, delta=s.delta,
-        rollout_is_weights=rollout_is_weights, log_ratio_clamp=s.log_ratio_clamp, **s.counts(),
+        rollout_is_weights=rollout_is_weights, log_ratio_clamp=s.log_ratio_clamp,
+        token_keep=s.token_keep, **s.counts(),
     )
 
 
@@ -146,7 +164,7 @@ def gspo(log_prob, old_log_prob, advantages, response_mask, s: LossSettings,
         log_prob, old_log_prob, advantages, response_mask, loss_agg_mode=s.loss_agg_mode,
         clip_ratio_low=s.clip_ratio_low, clip_ratio_high=s.clip_ratio_high, clip_ratio_c=None,
         ratio_kind="sequence", delta=s.delta, rollout_is_weights=rollout_is_weights,
-        log_ratio_clamp=s.log_ratio_clamp, **s.counts(),
+        log_ratio_clamp=s.log_ratio_clamp, token_keep=s.token_keep, **s.counts(),
     )
     return loss, metrics
 
@@ -162,7 +180,7 @@ def luspo(log_prob, old_log_prob, advantages, response_mask, s: LossSettings,
         log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="seq-mean-token-sum",
         clip_ratio_low=s.clip_ratio_low, clip_ratio_high=s.clip_ratio_high, clip_ratio_c=None,
         ratio_kind="sequence", delta=s.delta, rollout_is_weights=rollout_is_weights,
-        log_ratio_clamp=None, **s.counts(),
+        log_ratio_clamp=None, token_keep=s.token_keep, **s.counts(),
     )
 
 
@@ -177,7 +195,7 @@ def sapo(log_prob, old_log_prob, advantages, response_mask, s: LossSettings,
     TRL). `ratio_kind="sequence"` gives TRL's sequence-level variant. pg_clipfrac(_lower) are 0."""
     mask = _fmask(response_mask, log_prob)
     ratio, log_ratio = importance_ratio(log_prob, old_log_prob, mask, s.ratio_kind,
-                                        s.log_ratio_clamp)
+                                        s.log_ratio_clamp, _sequence_grad(s))
     like = {"dtype": log_prob.dtype, "device": log_prob.device}
     tau = torch.where(advantages > 0, torch.tensor(s.tau_pos, **like),
                       torch.tensor(s.tau_neg, **like))
@@ -445,7 +463,11 @@ def geo_mean(log_prob, old_log_prob, advantages, response_mask, s: LossSettings,
     sequence ratio exp(mean_t) times the sequence's mean advantage; loss = mean over sequences
     of -A_i rho_i. `loss_agg_mode` is not used (as verl). Forage divides by the global sequence
     count when the trainer gives one, so micro-batch shares add up (verl: torch.mean over the
-    micro-batch's rows). Rollout IS weights enter as their geometric mean per sequence."""
+    micro-batch's rows). Rollout IS weights enter as their geometric mean per sequence. A
+    per-token loss multiplier (`token_keep`) has no place in a per-sequence ratio: refused."""
+    if s.token_keep is not None:
+        raise ValueError("policy_loss geo_mean has no per-token loss to mask: "
+                         "off_policy_mask_threshold and top_entropy_quantile < 1 need another loss")
     mask = _fmask(response_mask, log_prob)
     log_ratio = log_prob - old_log_prob
     sign = torch.sign(advantages)
