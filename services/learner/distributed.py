@@ -88,6 +88,19 @@ def union_of_names(names: Iterable[str]) -> list[str]:
     return sorted(union)
 
 
+def broadcast_indices(indices: torch.Tensor | None, length: int) -> list[int]:
+    """Rank 0's `length` int64 indices on every rank (other ranks pass None)."""
+    if world_size() == 1:
+        assert indices is not None
+        return [int(i) for i in indices.tolist()]
+    buffer = torch.zeros(length, dtype=torch.int64, device=device())
+    if rank() == 0:
+        assert indices is not None
+        buffer.copy_(indices.to(buffer.device))
+    dist.broadcast(buffer, 0)
+    return [int(i) for i in buffer.tolist()]
+
+
 def barrier() -> None:
     if world_size() > 1:
         dist.barrier()

@@ -592,8 +592,23 @@ class LearnerLoop:
             )
             adv_metrics.update(correction)
         broadcast_fields(samples, ("advantages", "returns"))
+        if self.options.use_pf_ppo:
+            samples = self._pf_ppo_resample(samples, items)
         metrics = trainer.rl_step(samples)
         return metrics, adv_metrics
+
+    def _pf_ppo_resample(self, samples: list[Sample], items: list[Any] | None) -> list[Sample]:
+        """verl's PF-PPO after the advantages: the batch the update sees is drawn with
+        replacement by reward-based weights (algorithms/pf_ppo.py). Rank 0 draws with a
+        generator seeded by the run's seed and the step, so a resumed run draws the same."""
+        from services.learner.rl_batch import pf_ppo_batch
+
+        drawn = None
+        if self.rank == 0:
+            assert items is not None
+            drawn = pf_ppo_batch([float(item.reward) for item in items], self.options,
+                                 self.learner.seed, self.state.step)
+        return [samples[i] for i in D.broadcast_indices(drawn, len(samples))]
 
     def _needs_old_logprobs(self, batch: int) -> bool:
         """Whether the step needs a separate forward pass for the pre-update log-probs.

@@ -42,6 +42,9 @@ def check_estimator(
                          "step; use multi_turn: trajectory")
     if name == "grpo_passk" and n_samples is not None and n_samples < 2:
         raise ValueError("learner.adv_estimator=grpo_passk needs data.n_samples >= 2")
+    if options is not None and options.use_pf_ppo and name != "gae":
+        raise ValueError("learner.algorithm.use_pf_ppo: verl applies PF-PPO only with "
+                         f"learner.adv_estimator=gae, not {name}")
     if name == "gdpo" and options is not None and not options.gdpo_reward_keys:
         raise ValueError("learner.adv_estimator=gdpo needs learner.algorithm.gdpo_reward_keys "
                          "(the scorer's reward_components to normalise separately)")
@@ -246,3 +249,15 @@ def _row_inputs(
             out["rollout_is_weights"] = response_field_matrix(samples, "rollout_is_weights", width)
         return out
     return {}
+
+
+def pf_ppo_batch(rewards: Sequence[float], options: alg.AlgorithmSettings, seed: int,
+                 step: int) -> torch.Tensor:
+    """PF-PPO's draw for one step (verl's compute_pf_ppo_reweight_data on the sequence
+    rewards): the indices of the samples the update trains on, duplicates included. Seeded by
+    the run's seed and the step, so a resumed step draws the same batch."""
+    from services.learner.algorithms.pf_ppo import pf_ppo_resample
+
+    generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(step))
+    scores = torch.tensor(list(rewards), dtype=torch.float32)
+    return pf_ppo_resample(scores, generator=generator, **options.pf_ppo_options())

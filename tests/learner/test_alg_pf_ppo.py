@@ -109,8 +109,28 @@ def test_config_keys():
     assert s.pf_ppo_options() == {"method": "max_random", "weight_pow": 1.0}
     with pytest.raises(ValidationError, match="pf_ppo_reweight_method"):
         AlgorithmSettings(pf_ppo_reweight_method="softmax")
-    # the loop does not resample yet: turning it on is refused rather than silently ignored
-    with pytest.raises(ValidationError, match="use_pf_ppo"):
-        AlgorithmSettings(use_pf_ppo=True)
+    # verl applies it only with GAE: any other estimator is refused at start-up
+    from services.learner.rl_batch import check_estimator
+
+    on = AlgorithmSettings(use_pf_ppo=True)
+    check_estimator("gae", on)
+    with pytest.raises(ValueError, match="use_pf_ppo.*only with.*gae"):
+        check_estimator("grpo", on)
     assert set(PF_PPO_METHODS) == set(
         AlgorithmSettings.model_fields["pf_ppo_reweight_method"].annotation.__args__)
+
+
+def test_the_loops_draw_is_seeded_by_run_and_step():
+    """pf_ppo_batch: the indices the loop trains on, the same for the same seed and step (a
+    resumed step), another draw at another step, extremes favoured under max_min."""
+    from services.learner.rl_batch import pf_ppo_batch
+
+    options = AlgorithmSettings(use_pf_ppo=True, pf_ppo_reweight_method="max_min")
+    rewards = [0.0, 0.2, 0.5, 1.0, 0.3, 0.2, 0.4, 0.1]
+    first = pf_ppo_batch(rewards, options, seed=3, step=7)
+    assert torch.equal(first, pf_ppo_batch(rewards, options, seed=3, step=7))
+    assert len(first) == len(rewards)
+    assert set(first.tolist()) <= {0, 3}  # max_min: only the batch's min and max have weight
+    draws = {tuple(pf_ppo_batch(rewards, AlgorithmSettings(use_pf_ppo=True), 3, s).tolist())
+             for s in range(5)}
+    assert len(draws) > 1

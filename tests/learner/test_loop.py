@@ -230,6 +230,29 @@ def test_eval_never_counts_a_failed_search(tmp_path, redis_url, namespace, tiny_
     assert "left out of this evaluation" in log.read_text()
 
 
+def test_gae_with_pf_ppo_trains_on_the_drawn_batch(tmp_path, redis_url, namespace,
+                                                    tiny_policy):
+    """verl's PF-PPO in the loop: with GAE and use_pf_ppo the update trains on the batch
+    resampled by reward. Under `pow` a reward-0 trajectory has (almost) no weight, so every
+    drawn sample is a reward-1 one (4 response tokens each in the scripted batch: 16 loss
+    tokens, where the batch as answered has 2 x (3 + 4) = 14)."""
+    config = write_run(tmp_path, redis_url, namespace, tiny_policy, total_steps=2,
+                       save_every=100, adv_estimator="gae", algorithm={"use_pf_ppo": True})
+    log = tmp_path / "learner.log"
+    script = Script(redis_url, namespace)
+    proc = start_learner(config, log)
+    try:
+        script.serve(proc, lambda g, n: "normal", until=time.time() + 180)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "train"]
+    assert [m["step"] for m in lines] == [1, 2]
+    assert all(m["throughput/trajectories"] == 4 for m in lines)
+    assert [m["actor/loss_tokens"] for m in lines] == [16, 16]
+
+
 def test_bad_estimator_fails_fast(tmp_path, redis_url, namespace, tiny_policy):
     # gdpo without the reward components it normalises cannot run (remax can since issue 18)
     config = write_run(tmp_path, redis_url, namespace, tiny_policy, adv_estimator="gdpo")

@@ -119,7 +119,7 @@ class AlgorithmSettings(Section):
     filter_keep_singletons: bool = True
     # --- PF-PPO (pf_ppo.py; verl algorithm.use_pf_ppo / pf_ppo.reweight_method / weight_pow,
     # core_algos.compute_pf_ppo_reweight_data): resample the batch by reward-based weights.
-    # The RL loop does not call it yet, so use_pf_ppo=True is refused (docs/algorithms.md).
+    # verl applies it only with adv_estimator gae (rl_batch.check_estimator says so at start).
     use_pf_ppo: bool = False
     pf_ppo_reweight_method: Literal["pow", "max_min", "max_random"] = "pow"
     pf_ppo_weight_pow: float = 2.0
@@ -162,10 +162,6 @@ class AlgorithmSettings(Section):
         if self.uses_token_keep and self.effective_policy_loss == "geo_mean":
             raise ValueError("off_policy_mask_threshold / top_entropy_quantile < 1 mask the "
                              "per-token loss, which policy_loss geo_mean does not have")
-        if self.use_pf_ppo:
-            raise ValueError("use_pf_ppo: the RL loop does not resample batches yet; "
-                             "services.learner.algorithms.pf_ppo_resample is the pure function "
-                             "(docs/algorithms.md, PF-PPO)")
         return self
 
     @property
