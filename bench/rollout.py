@@ -96,6 +96,8 @@ def bench_single_turn(engine: TransformersEngine, batch: int, new_tokens: int,
 
     tok.padding_side = "left"
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    # on the model's device: CPU inputs to a CUDA model make every decoding step cross devices
+    enc = {key: value.to(engine.model.device) for key, value in enc.items()}
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
                   temperature=1.0, top_p=1.0, top_k=0, pad_token_id=tok.pad_token_id)
     with torch.inference_mode():
