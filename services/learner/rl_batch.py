@@ -89,9 +89,14 @@ def apply_rollout_correction(
     see the rejection, as in verl) and on every rank: its inputs are on every rank and the
     arithmetic is deterministic, so no exchange is needed.
 
+    The metrics are verl's `compute_rollout_correction_and_rejection_mask` ones under its exact
+    names (IS, rejection and the off-policy gap: kl, k3_kl, perplexities, chi-square), taken
+    over the loss mask before rejection; a row without a loss token (a masked truncated
+    completion) counts in the per-row means as verl's fully masked rows do.
+
     Token-level IS alone, without old log-probs (one update per batch, so old = current), is
     left to the loss (`rollout_correction_needs_batch`), which computes the same weights from
-    the current log-probs without an extra forward pass."""
+    the current log-probs without an extra forward pass (and reports the IS metrics only)."""
     if not options.uses_rollout_correction or not samples:
         return {}
     no_old = any("old_logprobs" not in s.fields for s in samples)

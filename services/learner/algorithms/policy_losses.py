@@ -30,7 +30,7 @@ import torch
 from services.learner.algorithms.aggregation import agg_loss
 from services.learner.algorithms.masked import masked_mean
 from services.learner.algorithms.policy_loss import importance_ratio, policy_loss
-from services.learner.algorithms.rollout_correction import is_weights, rejection_mask
+from services.learner.algorithms.rollout_correction import rollout_correction
 
 Metrics = dict[str, torch.Tensor]
 PolicyLossFn = Callable[..., tuple[torch.Tensor, Metrics]]
@@ -301,27 +301,21 @@ def reinforce(log_prob, rollout_log_prob, advantages, response_mask, s: LossSett
 @register_policy_loss("bypass_mode")
 def bypass_mode(log_prob, old_log_prob, advantages, response_mask, s: LossSettings,
                 rollout_is_weights=None):
-    """verl `bypass_mode`: `old_log_prob` IS the rollout log-prob (no old-log-prob pass). IS
-    weights (current / rollout, detached) and the rejection mask are computed here from the
-    current log-probs, then `bypass_loss_type` picks the loss: "reinforce" (IS-weighted
-    REINFORCE) or "ppo_clip" (vanilla on the rejection-masked tokens; the ratio pi/pi_rollout
-    already corrects, so no IS weights). The aggregation counts are the caller's (verl counts
-    the tokens before rejection here, too)."""
+    """verl `bypass_mode` (verl 0.9.1 `verl/trainer/ppo/core_algos.py`,
+    `compute_policy_loss_bypass_mode`): `old_log_prob` IS the rollout log-prob (no old-log-prob
+    pass). IS weights (current / rollout, detached), the rejection mask and every
+    `rollout_corr/*` metric (IS, rejection and the off-policy gap: kl, k3_kl, perplexities,
+    chi-square) come from `rollout_correction` on the current log-probs, as verl calls
+    `compute_rollout_correction_and_rejection_mask` there; then `bypass_loss_type` picks the
+    loss: "reinforce" (IS-weighted REINFORCE) or "ppo_clip" (vanilla on the rejection-masked
+    tokens; the ratio pi/pi_rollout already corrects, so no IS weights). The aggregation counts
+    are the caller's (verl counts the tokens before rejection here, too)."""
     mask = _fmask(response_mask, log_prob)
-    metrics: dict[str, float] = {}
-    weights = None
-    with torch.no_grad():
-        log_ratio = log_prob.detach() - old_log_prob
-        if s.rollout_is is not None:
-            weights, is_metrics = is_weights(log_ratio, mask, s.rollout_is,
-                                             s.rollout_is_threshold,
-                                             s.rollout_is_batch_normalize)
-            metrics.update(is_metrics)
-        effective = mask
-        if s.rollout_rs is not None:
-            effective, rs_metrics = rejection_mask(log_ratio, mask, s.rollout_rs,
-                                                   s.rollout_rs_threshold)
-            metrics.update(rs_metrics)
+    weights, effective, corr_metrics = rollout_correction(
+        log_prob.detach(), old_log_prob.detach(), mask,
+        rollout_is=s.rollout_is, rollout_is_threshold=s.rollout_is_threshold,
+        rollout_is_batch_normalize=s.rollout_is_batch_normalize,
+        rollout_rs=s.rollout_rs, rollout_rs_threshold=s.rollout_rs_threshold)
     if s.bypass_loss_type == "reinforce":
         loss, out = reinforce(log_prob, old_log_prob, advantages, effective, s, weights)
     elif s.bypass_loss_type == "ppo_clip":
@@ -330,8 +324,8 @@ def bypass_mode(log_prob, old_log_prob, advantages, response_mask, s: LossSettin
     else:
         raise ValueError(f"bypass_loss_type must be 'reinforce' or 'ppo_clip', "
                          f"got {s.bypass_loss_type!r}")
-    for key, value in metrics.items():
-        out[f"rollout_corr/{key}"] = torch.tensor(value, dtype=log_prob.dtype)
+    for key, value in corr_metrics.items():  # already `rollout_corr/`-prefixed
+        out[key] = torch.tensor(value, dtype=log_prob.dtype)
     return loss, out
 
 
