@@ -476,10 +476,11 @@ class PolicyTrainer:
         corr_metrics: dict[str, float] = {}
         if (weights is None and opt.uses_rollout_correction
                 and not opt.rollout_correction_needs_batch and "rollout_logprobs" in mb.fields):
-            # token-level IS with old = current (rl_batch.apply_rollout_correction left it here)
-            weights, corr_metrics = alg.rollout_is_weights(
-                old - rows(mb.fields["rollout_logprobs"]), mask, "token",
-                opt.effective_rollout_is_threshold)
+            # token-level IS with old = current (rl_batch.apply_rollout_correction left it here);
+            # through rollout_correction so the off-policy metrics (kl, ppl, chi2) come too
+            weights, _, corr_metrics = alg.rollout_correction(
+                old, rows(mb.fields["rollout_logprobs"]), mask, rollout_is="token",
+                rollout_is_threshold=opt.effective_rollout_is_threshold)
         keep, keep_metrics = None, {}
         if opt.uses_token_keep:
             behaviour = rows(mb.fields["rollout_logprobs"]) if "rollout_logprobs" in mb.fields \
@@ -499,7 +500,7 @@ class PolicyTrainer:
         counts = settings.counts()
         pg_loss, pg_metrics = alg.compute_policy_loss(name, log_prob, old, adv, mask, settings,
                                                       weights)
-        pg_metrics.update({f"rollout_corr/{k}": v for k, v in corr_metrics.items()})
+        pg_metrics.update(corr_metrics)  # already named rollout_corr/* (rollout_correction)
         pg_metrics.update(keep_metrics)
         loss = pg_loss
         share = float(mask.sum()) / tokens  # this micro-batch's share, to average metrics

@@ -210,10 +210,10 @@ def test_rollout_correction_in_the_loop(tmp_path, redis_url, namespace, tiny_pol
         assert not any(k.startswith("actor/rollout_corr/") for k in m)
         assert "rollout_corr/rollout_is_seq_std" in m
         assert "rollout_corr/rollout_is_seq_max_deviation" in m
-        if "tis_cap" not in algorithm:  # verl's off-policy gap, bypass mode included
-            assert all(f"rollout_corr/{k}" in m for k in (
-                "kl", "k3_kl", "training_ppl", "rollout_ppl", "log_ppl_diff", "ppl_ratio",
-                "chi2_token", "chi2_seq"))
+        # verl's off-policy metrics on every path: bypass, decoupled, in-loss TIS
+        assert all(f"rollout_corr/{k}" in m for k in (
+            "kl", "k3_kl", "training_ppl", "rollout_ppl", "log_ppl_diff", "ppl_ratio",
+            "chi2_token", "chi2_seq"))
         if "rollout_rs" in algorithm:
             assert "rollout_corr/rollout_rs_token_k3_std" in m
             assert "rollout_corr/rollout_rs_token_k3_seq_max_deviation" in m
