@@ -8,12 +8,14 @@ architecture, so the same code paths run on a CPU in seconds.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -185,3 +187,27 @@ class PartReport:
 
 def say(text: str) -> None:
     print(text, flush=True)
+
+
+def part_main(part: str, doc: str | None, measure: Callable[[argparse.Namespace, PartReport], None],
+              argv: list[str] | None = None,
+              add_arguments: Callable[[argparse.ArgumentParser], None] | None = None) -> int:
+    """What every part's command does around its measurements: `--out DIR [--dry-run]`, a
+    PartReport named after the device, and any exception (a stop at the time limit too)
+    recorded in the report before it propagates."""
+    parser = argparse.ArgumentParser(description=(doc or part).split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dry-run", action="store_true")
+    if add_arguments is not None:
+        add_arguments(parser)
+    args = parser.parse_args(argv)
+    report = PartReport(args.out, part, args.dry_run)
+    try:
+        report.set(device=device_facts().get("device"))
+        measure(args, report)
+    except BaseException as exc:  # SystemExit at the time limit too: say so in the report
+        report.set(error=f"{type(exc).__name__}: {exc}"[:4000])
+        raise
+    finally:
+        report.finish()
+    return 0

@@ -21,74 +21,67 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, PartReport, device_facts, say, torch_device  # noqa: E402
+from common import REPO, PartReport, part_main, say, torch_device  # noqa: E402
 from encoder_standin import real_package_present  # noqa: E402
 
 # What the services' logs say when they run on CUDA (learner: trainer.py's start-up line).
 CUDA_MARKERS = {"learner": "policy in bfloat16"}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("--run-dir", type=Path, default=None,
-                        help="where the demo writes its run (default: a temporary folder)")
-    args = parser.parse_args(argv)
-    report = PartReport(args.out, "demo", args.dry_run)
+def measure(args: argparse.Namespace, report: PartReport) -> None:
+    device = torch_device()
+    report.set(encoder_weights="real" if real_package_present() else "random (stand-in)")
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="forage-gpu-demo-"))
+    argv_demo = [sys.executable, "-m", "services.cli", "demo", "--quick", "--fresh",
+                 "--out", str(run_dir), "--set", f"rollout.device={device}"]
+    report.set(command=" ".join(argv_demo[1:]), run_dir=str(run_dir))
+    started = time.perf_counter()
+    # The console goes through as it comes (to run.log under run.py) and its tail into the
+    # report; a SIGTERM at the part's time limit still writes the report (finally below).
+    signal.signal(signal.SIGTERM, _stop)
+    console: collections.deque[str] = collections.deque(maxlen=40)
+    proc = subprocess.Popen(argv_demo, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1)
     try:
-        device = torch_device()
-        report.set(device=device_facts().get("device"),
-                   encoder_weights="real" if real_package_present() else "random (stand-in)")
-        run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="forage-gpu-demo-"))
-        argv_demo = [sys.executable, "-m", "services.cli", "demo", "--quick", "--fresh",
-                     "--out", str(run_dir), "--set", f"rollout.device={device}"]
-        report.set(command=" ".join(argv_demo[1:]), run_dir=str(run_dir))
-        started = time.perf_counter()
-        # The console goes through as it comes (to run.log under run.py) and its tail into the
-        # report; a SIGTERM at the part's time limit still writes the report (finally below).
-        signal.signal(signal.SIGTERM, _stop)
-        console: collections.deque[str] = collections.deque(maxlen=40)
-        proc = subprocess.Popen(argv_demo, cwd=REPO, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, bufsize=1)
-        try:
-            for line in proc.stdout:
-                print(line, end="", flush=True)
-                console.append(f"{time.perf_counter() - started:6.1f}s {line.rstrip()}")
-            proc.wait()
-        finally:
-            report.set(console_tail=list(console), log_tails=_log_tails(run_dir / "logs"),
-                       wall_s_demo=round(time.perf_counter() - started, 1))
-            if proc.poll() is None:
-                proc.terminate()
-        wall = time.perf_counter() - started
-        console = list(console)
-        summary_path = run_dir / "report" / "summary.json"
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-        demo_info = run_dir / "demo.json"
-        phases = json.loads(demo_info.read_text()).get("phases") if demo_info.exists() else None
-        logs = run_dir / "logs"
-        on_cuda = {}
-        for service, marker in CUDA_MARKERS.items():
-            texts = [p.read_text(errors="replace") for p in logs.glob(f"{service}*.log")]
-            on_cuda[service] = any(marker in t for t in texts)
-        result = {"exit_code": proc.returncode, "wall_s": round(wall, 1), "phases_s": phases,
-                  "steps": summary.get("steps"), "em_before": summary.get("em_before"),
-                  "em_after": summary.get("em_after"), "rollout_device": device,
-                  "bf16_learner_seen_in_log": on_cuda}
-        say(f"demo: exit {proc.returncode} in {wall:.0f}s, steps {summary.get('steps')}")
-        report.add(result)
-        if proc.returncode != 0:
-            report.set(error=f"forage demo --quick exited {proc.returncode}: "
-                             + " | ".join(console[-8:]))
-        elif not summary:
-            report.set(error=f"forage demo --quick wrote no {summary_path}")
-    except BaseException as exc:  # SystemExit at the time limit too: say so in the report
-        report.set(error=f"{type(exc).__name__}: {exc}"[:4000])
-        raise
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            console.append(f"{time.perf_counter() - started:6.1f}s {line.rstrip()}")
+        proc.wait()
     finally:
-        report.finish()
-    return 0
+        report.set(console_tail=list(console), log_tails=_log_tails(run_dir / "logs"),
+                   wall_s_demo=round(time.perf_counter() - started, 1))
+        if proc.poll() is None:
+            proc.terminate()
+    wall = time.perf_counter() - started
+    console = list(console)
+    summary_path = run_dir / "report" / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    demo_info = run_dir / "demo.json"
+    phases = json.loads(demo_info.read_text()).get("phases") if demo_info.exists() else None
+    logs = run_dir / "logs"
+    on_cuda = {}
+    for service, marker in CUDA_MARKERS.items():
+        texts = [p.read_text(errors="replace") for p in logs.glob(f"{service}*.log")]
+        on_cuda[service] = any(marker in t for t in texts)
+    result = {"exit_code": proc.returncode, "wall_s": round(wall, 1), "phases_s": phases,
+              "steps": summary.get("steps"), "em_before": summary.get("em_before"),
+              "em_after": summary.get("em_after"), "rollout_device": device,
+              "bf16_learner_seen_in_log": on_cuda}
+    say(f"demo: exit {proc.returncode} in {wall:.0f}s, steps {summary.get('steps')}")
+    report.add(result)
+    if proc.returncode != 0:
+        report.set(error=f"forage demo --quick exited {proc.returncode}: "
+                         + " | ".join(console[-8:]))
+    elif not summary:
+        report.set(error=f"forage demo --quick wrote no {summary_path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    def run_dir_argument(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--run-dir", type=Path, default=None,
+                            help="where the demo writes its run (default: a temporary folder)")
+
+    return part_main("demo", __doc__, measure, argv, run_dir_argument)
 
 
 def _stop(signum, frame) -> None:

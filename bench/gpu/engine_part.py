@@ -15,45 +15,36 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import PartReport, device_facts, peak_memory_gib, say, torch_device  # noqa: E402
+from common import PartReport, part_main, peak_memory_gib, say, torch_device  # noqa: E402
 from models import shaped_model  # noqa: E402
 
 
+def measure(args: argparse.Namespace, report: PartReport) -> None:
+    import torch
+    from rollout import bench_single_turn
+
+    from services.rollout.transformers_engine import TransformersEngine
+
+    shape = "toy" if args.dry_run else "qwen2.5-0.5b"
+    settings = [(4, 8, 1)] if args.dry_run else [(16, 128, 2)]
+    torch.manual_seed(0)
+    device = torch_device()
+    model_dir = shaped_model(shape)
+    for batch, new_tokens, repeats in settings:
+        engine = TransformersEngine.from_pretrained(str(model_dir), device=device,
+                                                    max_batch_size=batch, seed=0)
+        figures = bench_single_turn(engine, batch, new_tokens, repeats=repeats)
+        result = {"shape": shape, "batch": batch, "new_tokens": new_tokens,
+                  "dtype": str(engine.model.dtype).removeprefix("torch."),
+                  **{k: round(v, 3) for k, v in figures.items()},
+                  "peak_memory_gib": peak_memory_gib()}
+        say(f"engine: {result}")
+        report.add(result)
+        del engine
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--dry-run", action="store_true")
-    args = parser.parse_args(argv)
-    report = PartReport(args.out, "engine", args.dry_run)
-    try:
-        import torch
-        from rollout import bench_single_turn
-
-        from services.rollout.transformers_engine import TransformersEngine
-
-        report.set(device=device_facts().get("device"))
-        shape = "toy" if args.dry_run else "qwen2.5-0.5b"
-        settings = [(4, 8, 1)] if args.dry_run else [(16, 128, 2)]
-        torch.manual_seed(0)
-        device = torch_device()
-        model_dir = shaped_model(shape)
-        for batch, new_tokens, repeats in settings:
-            engine = TransformersEngine.from_pretrained(str(model_dir), device=device,
-                                                        max_batch_size=batch, seed=0)
-            figures = bench_single_turn(engine, batch, new_tokens, repeats=repeats)
-            result = {"shape": shape, "batch": batch, "new_tokens": new_tokens,
-                      "dtype": str(engine.model.dtype).removeprefix("torch."),
-                      **{k: round(v, 3) for k, v in figures.items()},
-                      "peak_memory_gib": peak_memory_gib()}
-            say(f"engine: {result}")
-            report.add(result)
-            del engine
-    except Exception as exc:
-        report.set(error=f"{type(exc).__name__}: {exc}"[:4000])
-        raise
-    finally:
-        report.finish()
-    return 0
+    return part_main("engine", __doc__, measure, argv)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from common import (  # noqa: E402
     datasheet_peak,
     device_facts,
     parameter_count,
+    part_main,
     peak_memory_gib,
     reset_peak_memory,
     say,
@@ -145,62 +146,53 @@ def run_setting(model_dir: Path, shape: str, zero: int, checkpointing: bool, sam
         reset_peak_memory()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--dry-run", action="store_true")
-    args = parser.parse_args(argv)
-    report = PartReport(args.out, "learner", args.dry_run)
-    try:
-        facts = device_facts()
-        report.set(device=facts.get("device"))
-        if args.dry_run:
-            shapes, micro, steps = ["toy"], 512, 1
-            batch = dict(groups=2, n=2, prompt_len=32, response=(16, 96))
-        else:
-            shapes, micro, steps = ["qwen2.5-0.5b", "qwen2.5-1.5b"], 8192, 3
-            batch = dict(groups=8, n=4, prompt_len=256, response=(128, 1024))
-        report.set(batch=batch, timed_steps=steps)
-        matmul = measured_matmul_flops(args.dry_run)
-        peak = datasheet_peak(str(facts.get("device")))
-        report.set(datasheet_bf16_flops=peak, measured_matmul_flops=matmul)
-        for shape in shapes:
-            started = time.perf_counter()
-            model_dir = shaped_model(shape)
-            say(f"learner: {shape} random weights ready in {time.perf_counter() - started:.1f}s")
-            from common import SHAPES
+def measure(args: argparse.Namespace, report: PartReport) -> None:
+    facts = device_facts()
+    if args.dry_run:
+        shapes, micro, steps = ["toy"], 512, 1
+        batch = dict(groups=2, n=2, prompt_len=32, response=(16, 96))
+    else:
+        shapes, micro, steps = ["qwen2.5-0.5b", "qwen2.5-1.5b"], 8192, 3
+        batch = dict(groups=8, n=4, prompt_len=256, response=(128, 1024))
+    report.set(batch=batch, timed_steps=steps)
+    matmul = measured_matmul_flops(args.dry_run)
+    peak = datasheet_peak(str(facts.get("device")))
+    report.set(datasheet_bf16_flops=peak, measured_matmul_flops=matmul)
+    for shape in shapes:
+        started = time.perf_counter()
+        model_dir = shaped_model(shape)
+        say(f"learner: {shape} random weights ready in {time.perf_counter() - started:.1f}s")
+        from common import SHAPES
 
-            samples = grpo_batch(vocab=SHAPES[shape]["vocab_size"], **batch)
-            first = True
-            for zero in (0, 2):
-                for checkpointing in (False, True):
-                    try:
-                        result = run_setting(model_dir, shape, zero, checkpointing, samples,
-                                             micro, steps, profile_kernels=first)
-                    except Exception as exc:  # one setting failing (e.g. OOM) keeps the rest
-                        result = {"shape": shape, "zero_stage": zero,
-                                  "gradient_checkpointing": checkpointing,
-                                  "error": f"{type(exc).__name__}: {exc}"[:2000]}
-                    else:
-                        first = False
-                        computed = _computed_lengths(samples, result)
-                        flops = train_flops(shape, computed)
-                        result["tokens_per_s"] = round(result["tokens_in_batch"] / result["step_s"])
-                        result["model_tflops_per_s"] = round(flops / result["step_s"] / 1e12, 2)
-                        result["params"] = parameter_count(shape)["total"]
-                        if peak:
-                            result["mfu"] = round(flops / result["step_s"] / peak, 4)
-                        if matmul:
-                            result["of_measured_matmul"] = round(
-                                flops / result["step_s"] / matmul, 4)
-                    say(f"learner: {result}")
-                    report.add(result)
-    except Exception as exc:
-        report.set(error=f"{type(exc).__name__}: {exc}"[:4000])
-        raise
-    finally:
-        report.finish()
-    return 0
+        samples = grpo_batch(vocab=SHAPES[shape]["vocab_size"], **batch)
+        first = True
+        for zero in (0, 2):
+            for checkpointing in (False, True):
+                try:
+                    result = run_setting(model_dir, shape, zero, checkpointing, samples,
+                                         micro, steps, profile_kernels=first)
+                except Exception as exc:  # one setting failing (e.g. OOM) keeps the rest
+                    result = {"shape": shape, "zero_stage": zero,
+                              "gradient_checkpointing": checkpointing,
+                              "error": f"{type(exc).__name__}: {exc}"[:2000]}
+                else:
+                    first = False
+                    computed = _computed_lengths(samples, result)
+                    flops = train_flops(shape, computed)
+                    result["tokens_per_s"] = round(result["tokens_in_batch"] / result["step_s"])
+                    result["model_tflops_per_s"] = round(flops / result["step_s"] / 1e12, 2)
+                    result["params"] = parameter_count(shape)["total"]
+                    if peak:
+                        result["mfu"] = round(flops / result["step_s"] / peak, 4)
+                    if matmul:
+                        result["of_measured_matmul"] = round(
+                            flops / result["step_s"] / matmul, 4)
+                say(f"learner: {result}")
+                report.add(result)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return part_main("learner", __doc__, measure, argv)
 
 
 def _computed_lengths(samples, result: dict) -> list[int]:

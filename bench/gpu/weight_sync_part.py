@@ -15,32 +15,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import PartReport, device_facts, say, torch_device  # noqa: E402
+from common import PartReport, part_main, say, torch_device  # noqa: E402
+
+
+def measure(args: argparse.Namespace, report: PartReport) -> None:
+    from weight_sync import measure
+
+    size_mb, repeats = (16, 1) if args.dry_run else (1024, 3)
+    device = torch_device()
+    figures = measure(size_mb=size_mb, chunk_mb=4.0, repeats=repeats, device=device)
+    result = {"source_device": device, "size_mb": size_mb, "repeats": repeats,
+              **{k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()}}
+    say(f"weight_sync: {result}")
+    report.add(result)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--dry-run", action="store_true")
-    args = parser.parse_args(argv)
-    report = PartReport(args.out, "weight_sync", args.dry_run)
-    try:
-        from weight_sync import measure
-
-        report.set(device=device_facts().get("device"))
-        size_mb, repeats = (16, 1) if args.dry_run else (1024, 3)
-        device = torch_device()
-        figures = measure(size_mb=size_mb, chunk_mb=4.0, repeats=repeats, device=device)
-        result = {"source_device": device, "size_mb": size_mb, "repeats": repeats,
-                  **{k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()}}
-        say(f"weight_sync: {result}")
-        report.add(result)
-    except Exception as exc:
-        report.set(error=f"{type(exc).__name__}: {exc}"[:4000])
-        raise
-    finally:
-        report.finish()
-    return 0
+    return part_main("weight_sync", __doc__, measure, argv)
 
 
 if __name__ == "__main__":

@@ -130,6 +130,17 @@ class Script:
                 self.streams.ack("prompts", [message.id])
 
 
+def run_to_end(config: Path, log: Path, script: Script, plan, seconds: float = 180) -> None:
+    """One learner process answered by `script` until it exits; it must exit 0."""
+    proc = start_learner(config, log)
+    try:
+        script.serve(proc, plan, until=time.time() + seconds)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -215,13 +226,7 @@ def test_eval_never_counts_a_failed_search(tmp_path, redis_url, namespace, tiny_
             return "error"  # never recovers
         return "error" if group.attempt == 0 and group.uid.endswith(("-0", "-1")) else "normal"
 
-    proc = start_learner(config, log)
-    try:
-        script.serve(proc, plan, until=time.time() + 180)
-        assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    run_to_end(config, log, script, plan)
     [evaluation] = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "eval"]
     assert evaluation["eval/n"] == 5 and evaluation["eval/failed"] == 1
     assert evaluation["eval/missing"] == 0
@@ -239,14 +244,7 @@ def test_gae_with_pf_ppo_trains_on_the_drawn_batch(tmp_path, redis_url, namespac
     config = write_run(tmp_path, redis_url, namespace, tiny_policy, total_steps=2,
                        save_every=100, adv_estimator="gae", algorithm={"use_pf_ppo": True})
     log = tmp_path / "learner.log"
-    script = Script(redis_url, namespace)
-    proc = start_learner(config, log)
-    try:
-        script.serve(proc, lambda g, n: "normal", until=time.time() + 180)
-        assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    run_to_end(config, log, Script(redis_url, namespace), lambda g, n: "normal")
     lines = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "train"]
     assert [m["step"] for m in lines] == [1, 2]
     assert all(m["throughput/trajectories"] == 4 for m in lines)
