@@ -73,6 +73,16 @@ def start_learner(config: Path, log: Path, *extra: str) -> subprocess.Popen:
                             stdout=log.open("a"), stderr=subprocess.STDOUT)
 
 
+def start_torchrun(config: Path, log: Path, ranks: int = 2) -> subprocess.Popen:
+    """`forage learner train` under a real torchrun with `ranks` CPU ranks."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen([str(torchrun), "--standalone", f"--nproc_per_node={ranks}", "-m",
+                             "services.cli", "learner", "train", "--config", str(config)],
+                            cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
 def trajectory(group: PromptGroup, index: int, version: int, *, error: bool = False) -> Trajectory:
     # Response length and reward differ by sample so GRPO has something to learn from.
     response = [7 + index, 8, 9, 10 + index][: 3 + index % 2]
@@ -294,12 +304,7 @@ def test_two_ranks_follow_rank_zero(tmp_path, redis_url, namespace, tiny_policy)
     collective (steps, weight export, checkpoint) to a clean exit."""
     config = write_run(tmp_path, redis_url, namespace, tiny_policy, total_steps=2, zero_stage=2)
     log = tmp_path / "learner.log"
-    torchrun = Path(sys.executable).with_name("torchrun")
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc_per_node=2", "-m",
-                             "services.cli", "learner", "train", "--config", str(config)],
-                            cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    proc = start_torchrun(config, log)
     script = Script(redis_url, namespace)
     try:
         script.serve(proc, lambda g, n: "normal", until=time.time() + 240)
@@ -323,12 +328,7 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_then_resumes(
     config = write_run(tmp_path, redis_url, namespace, tiny_policy, total_steps=50,
                        save_every=100, zero_stage=3)
     log = tmp_path / "learner.log"
-    torchrun = Path(sys.executable).with_name("torchrun")
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc_per_node=2", "-m",
-                             "services.cli", "learner", "train", "--config", str(config)],
-                            cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    proc = start_torchrun(config, log)
     script = Script(redis_url, namespace)
     metrics = tmp_path / "run" / "metrics.jsonl"
     try:
