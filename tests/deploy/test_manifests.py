@@ -430,3 +430,20 @@ def test_bind_mount_sources_exist(deploy):
                     assert (REPO / source).exists(), f"{name}: {source} missing"
                 elif not source.startswith((".", "/")):
                     assert source in model["volumes"], f"{name}: volume {source} undeclared"
+
+
+def test_redis_keeps_its_append_only_file_on_a_volume(deploy, rendered):
+    """A restarted Redis pod must find its AOF (streams, consumer groups, the published
+    version): /data is a ReadWriteOnce claim, and the Deployment recreates rather than rolls."""
+    redis = next(o for o in rendered if o["kind"] == "Deployment"
+                 and o["metadata"]["name"] == "forage-redis")
+    spec = redis["spec"]["template"]["spec"]
+    container = next(c for c in spec["containers"] if c["name"] == "redis")
+    assert "--appendonly" in container["args"]
+    [mount] = [m for m in container["volumeMounts"] if m["mountPath"] == "/data"]
+    [volume] = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    claim = volume["persistentVolumeClaim"]["claimName"]
+    pvc = next(o for o in rendered if o["kind"] == "PersistentVolumeClaim"
+               and o["metadata"]["name"] == claim)
+    assert pvc["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert redis["spec"]["strategy"]["type"] == "Recreate"
