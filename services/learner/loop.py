@@ -669,7 +669,7 @@ class LearnerLoop:
         from services.common.model_identity import model_fingerprint
         from services.learner.lora import scaling
 
-        _, adapter = self.trainer.export()
+        adapter = self.trainer.adapter_for_export()
         base = model_fingerprint(self.cfg.model.path)
         return adapter, adapter_metadata(scaling(lora), base)
 

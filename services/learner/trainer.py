@@ -617,6 +617,15 @@ class PolicyTrainer:
 
         return merge_lora_state(full, scaling(self.lora)), adapter_state(full)
 
+    def adapter_for_export(self, keep: bool | None = None) -> dict[str, torch.Tensor]:
+        """The LoRA adapter's tensors alone (what `learner.lora.publish: adapter` sends),
+        without merging the whole model only to drop it; collective like export."""
+        from services.learner.lora import adapter_state
+
+        if self.lora is None:
+            raise RuntimeError("adapter_for_export needs learner.lora.rank > 0")
+        return adapter_state(self.policy.full_state_dict(keep))
+
     @property
     def base_model(self) -> torch.nn.Module:
         """The Hugging Face model under the DeepSpeed engine (and the LoRA wrapper)."""

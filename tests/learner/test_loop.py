@@ -140,9 +140,11 @@ class Script:
                 self.streams.ack("prompts", [message.id])
 
 
-def run_to_end(config: Path, log: Path, script: Script, plan, seconds: float = 180) -> None:
-    """One learner process answered by `script` until it exits; it must exit 0."""
-    proc = start_learner(config, log)
+def run_to_end(config: Path, log: Path, script: Script, plan, seconds: float = 180,
+               start=None) -> None:
+    """One learner (`start_learner`, or `start` e.g. start_torchrun) answered by `script`
+    until it exits; it must exit 0."""
+    proc = (start or start_learner)(config, log)
     try:
         script.serve(proc, plan, until=time.time() + seconds)
         assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
@@ -303,15 +305,8 @@ def test_two_ranks_follow_rank_zero(tmp_path, redis_url, namespace, tiny_policy)
     """Under torchrun with 2 CPU ranks, rank 0 drives the streams and rank 1 follows every
     collective (steps, weight export, checkpoint) to a clean exit."""
     config = write_run(tmp_path, redis_url, namespace, tiny_policy, total_steps=2, zero_stage=2)
-    log = tmp_path / "learner.log"
-    proc = start_torchrun(config, log)
-    script = Script(redis_url, namespace)
-    try:
-        script.serve(proc, lambda g, n: "normal", until=time.time() + 240)
-        assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    run_to_end(config, tmp_path / "learner.log", Script(redis_url, namespace),
+               lambda g, n: "normal", seconds=240, start=start_torchrun)
     lines = read_metrics(tmp_path / "run")
     assert [m["step"] for m in lines] == [1, 2]
     assert all(m["throughput/trajectories"] == 4 for m in lines)
@@ -357,12 +352,6 @@ def test_sigterm_to_torchrun_checkpoints_every_rank_then_resumes(
 
     resumed = write_run(tmp_path, redis_url, namespace, tiny_policy, total_steps=reached + 1,
                         save_every=100, zero_stage=3)
-    proc = start_learner(resumed, log)
-    try:
-        script.serve(proc, lambda g, n: "normal", until=time.time() + 180)
-        assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    run_to_end(resumed, log, script, lambda g, n: "normal")
     steps = [m["step"] for m in read_metrics(tmp_path / "run")]
     assert steps[-1] == reached + 1 and steps.count(reached + 1) == 1

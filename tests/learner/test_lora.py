@@ -108,6 +108,9 @@ def test_lora_trainer_trains_the_adapter_and_checkpoints_both_forms(
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(exported[q], base[q])  # the adapter learnt something, merged in
     assert torch.equal(exported["model.norm.weight"], base["model.norm.weight"])
+    adapter = trainer.adapter_for_export()  # what publish: adapter sends, unmerged
+    assert adapter and set(adapter) == set(trainer.export()[1])
+    assert all(".lora_" in name for name in adapter)
 
     path = save_checkpoint(trainer, tmp_path / "ckpt", TrainerState(step=1, policy_version=1),
                            tokenizer_from=tiny_policy_dir)
