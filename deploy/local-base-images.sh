@@ -10,7 +10,8 @@
 #       debootstrap --variant=minbase bookworm + Debian's python3.11 (3.11.2, not 3.11.9) as a
 #       virtualenv rooted at /usr/local (/usr/local/bin/python, python3, pip, pip3: pip installs
 #       into /usr/local as in the official image, without Debian's externally-managed guard),
-#       ca-certificates, netbase, tzdata, LANG=C.UTF-8, CMD python3.
+#       its headers (python3.11-dev: the official image has Python.h, which DeepSpeed's
+#       just-in-time op builds need), ca-certificates, netbase, tzdata, LANG=C.UTF-8, CMD python3.
 #       The apt packages the cpu stage installs (parsed from its `apt-get install` lines, today
 #       build-essential) are preinstalled and the image's apt sources are left empty: the
 #       stage's `apt-get update && apt-get install ...` then succeeds offline (nothing to
@@ -22,8 +23,16 @@
 #       CMD redis-server, WORKDIR and VOLUME /data, port 6379. The healthcheck `redis-cli ping`
 #       and the compose command `redis-server --save "" --appendonly yes ...` work as written.
 #
+#   prom/prometheus:v2.53.0 (the prometheus service's image)
+#       minbase + Debian's prometheus (2.42.0): /bin/prometheus as ENTRYPOINT with the official
+#       image's CMD (--config.file=/etc/prometheus/prometheus.yml --storage.tsdb.path=/prometheus),
+#       USER nobody, WORKDIR and VOLUME /prometheus, port 9090.
+#   oliver006/redis_exporter:v1.62.0 (the redis-exporter service's image)
+#       minbase + Debian's prometheus-redis-exporter (1.45.0) as /redis_exporter, the ENTRYPOINT,
+#       USER 59000:59000, port 9121; it reads REDIS_ADDR as the official one does.
+#
 # Each stand-in carries ENV FORAGE_LOCAL_STAND_IN=1 (docker image inspect tells it from the real
-# one). Not built here: nvidia/cuda (gpu target), oliver006/redis_exporter, prom/prometheus.
+# one). Not built here: nvidia/cuda (the gpu target).
 #
 # Idempotent: an image that exists (stand-in or real) is skipped. Caches, in $FORAGE_IMAGE_CACHE
 # (default /var/cache/forage-base-images):
@@ -32,13 +41,13 @@
 # KEY hashes the recipe (suite, packages, mirror; for rootfs- also this script), so a change
 # rebuilds; older versions of a cache file are removed.
 #
-# Time on a 2-core machine: cold (download + debootstrap) ~90 s for python, ~50 s for redis;
-# from the rootfs cache ~10 s for both (docker import).
+# Time on a 2-core machine: cold (download + debootstrap) ~90 s for python, ~50 s for each of
+# the others; from the rootfs cache a few seconds each (docker import).
 #
 # Usage (root; `apt-get install docker.io debootstrap`; DOCKER_HOST names the engine, e.g. the
 # private one of tests/deploy/dockerd.py):
-#   deploy/local-base-images.sh              # both images
-#   deploy/local-base-images.sh python       # or: redis
+#   deploy/local-base-images.sh              # all four images
+#   deploy/local-base-images.sh python redis # or some: python, redis, prometheus, exporter
 # Environment: FORAGE_IMAGE_CACHE, DEBIAN_MIRROR (default http://deb.debian.org/debian), DOCKER
 # (the docker CLI to use).
 set -euo pipefail
@@ -62,10 +71,17 @@ mkdir -p "$CACHE"
 # ---------------------------------------------------------------- names from the deploy files
 PYTHON_IMAGE=$(awk 'toupper($1) == "FROM" && toupper($3) == "AS" && $4 == "cpu" {print $2}' \
     "$REPO/deploy/Dockerfile")
-REDIS_IMAGE=$(awk '/^  redis:/ {s=1; next} s && /^  [^ ]/ {s=0} s && $1 == "image:" {print $2; exit}' \
-    "$REPO/docker-compose.yml")
+compose_image() {  # compose_image SERVICE: the image of SERVICE in docker-compose.yml
+    local image
+    image=$(awk -v svc="  $1:" '$0 == svc {s=1; next} s && /^  [^ ]/ {s=0}
+        s && $1 == "image:" {print $2; exit}' "$REPO/docker-compose.yml")
+    [ -n "$image" ] || die "no image for the $1 service in docker-compose.yml"
+    echo "$image"
+}
+REDIS_IMAGE=$(compose_image redis)
+PROMETHEUS_IMAGE=$(compose_image prometheus)
+EXPORTER_IMAGE=$(compose_image redis-exporter)
 [ -n "$PYTHON_IMAGE" ] || die "no 'FROM ... AS cpu' in deploy/Dockerfile"
-[ -n "$REDIS_IMAGE" ] || die "no image for the redis service in docker-compose.yml"
 # The apt packages of the cpu stage: its `apt-get install` arguments that are not options.
 CPU_APT=$(sed -n '/^FROM .* AS cpu/,/^FROM /p' "$REPO/deploy/Dockerfile" \
     | sed -e ':a' -e '/\\$/N; s/\\\n//; ta' | grep -o 'apt-get install[^&;|]*' \
@@ -116,6 +132,15 @@ debootstrap_root() {  # debootstrap_root NAME INCLUDE ROOT: a minbase bookworm w
              die "debootstrap failed (a virtual package in INCLUDE needs its real name)"; }
 }
 
+save_root() {  # save_root ROOT TARBALL: finish ROOT, keep it as TARBALL (the cache), remove it
+    local root=$1 tarball=$2
+    finish_root "$root"
+    tar --numeric-owner --xattrs -C "$root" -cf "$tarball.tmp" .
+    mv "$tarball.tmp" "$tarball"
+    keep_only "$tarball"
+    rm -rf "$root"
+}
+
 finish_root() {  # finish_root ROOT: offline apt, no caches, no host files
     local root=$1
     : >"$root/etc/apt/sources.list"
@@ -156,7 +181,8 @@ build_python() {
     # shellcheck disable=SC2086
     # python3-distutils: python3.11-venv needs python3.11-distutils, a virtual package that
     # debootstrap's resolver does not follow.
-    include=$(echo python3.11 python3.11-venv python3-distutils ca-certificates netbase tzdata \
+    include=$(echo python3.11 python3.11-venv python3.11-dev python3-distutils ca-certificates \
+        netbase tzdata \
         $CPU_APT \
         | tr ' ' '\n' | sort -u | paste -sd, -)
     key=$(root_key "$include")
@@ -168,11 +194,7 @@ build_python() {
         # /usr/local/lib/python3.11/site-packages (pip and setuptools from Debian's wheels).
         in_root "$root" python3.11 -m venv /usr/local
         in_root "$root" /usr/local/bin/python -c 'import sys, pip; assert sys.prefix == "/usr/local"'
-        finish_root "$root"
-        tar --numeric-owner --xattrs -C "$root" -cf "$tarball.tmp" .
-        mv "$tarball.tmp" "$tarball"
-        keep_only "$tarball"
-        rm -rf "$root"
+        save_root "$root" "$tarball"
     else
         log "python: cached root filesystem $tarball"
     fi
@@ -214,11 +236,7 @@ if [ "$1" = redis-server ]; then shift; exec redis-server --protected-mode no "$
 exec "$@"
 EOF
         chmod 755 "$root/usr/local/bin/docker-entrypoint.sh"
-        finish_root "$root"
-        tar --numeric-owner --xattrs -C "$root" -cf "$tarball.tmp" .
-        mv "$tarball.tmp" "$tarball"
-        keep_only "$tarball"
-        rm -rf "$root"
+        save_root "$root" "$tarball"
     else
         log "redis: cached root filesystem $tarball"
     fi
@@ -228,13 +246,61 @@ EOF
         'ENTRYPOINT ["docker-entrypoint.sh"]' 'CMD ["redis-server"]'
 }
 
+# ---------------------------------------------------------------- prometheus, exporter
+build_go_service() {  # build_go_service NAME PACKAGE PREPARE-FUNCTION: minbase + one Go binary
+    local name=$1 package=$2 prepare=$3 key tarball root
+    key=$(root_key "$package")
+    tarball="$CACHE/rootfs-$name-$key.tar"
+    if [ ! -s "$tarball" ]; then
+        root="$WORK/root"
+        debootstrap_root "$name" "$package" "$root"
+        "$prepare" "$root"
+        save_root "$root" "$tarball"
+    else
+        log "$name: cached root filesystem $tarball"
+    fi
+    echo "$tarball"
+}
+
+prepare_prometheus() {  # as the official image: /bin/prometheus, /prometheus owned by nobody
+    local root=$1
+    [ -x "$root/usr/bin/prometheus" ] || die "prometheus: no /usr/bin/prometheus in the package"
+    mkdir -p "$root/prometheus" "$root/etc/prometheus"
+    chroot "$root" chown nobody:nogroup /prometheus
+}
+
+prepare_exporter() {
+    local root=$1
+    ln -sf /usr/bin/prometheus-redis-exporter "$root/redis_exporter"
+    [ -x "$root/usr/bin/prometheus-redis-exporter" ] || die "exporter: no binary in the package"
+}
+
+build_prometheus() {
+    local tarball
+    tarball=$(build_go_service prometheus prometheus prepare_prometheus)
+    import_root prometheus "$PROMETHEUS_IMAGE" "$tarball" \
+        'ENV FORAGE_LOCAL_STAND_IN=1' 'USER nobody' 'WORKDIR /prometheus' 'VOLUME /prometheus' \
+        'EXPOSE 9090' 'ENTRYPOINT ["/bin/prometheus"]' \
+        'CMD ["--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/prometheus"]'
+}
+
+build_exporter() {
+    local tarball
+    tarball=$(build_go_service exporter prometheus-redis-exporter prepare_exporter)
+    import_root exporter "$EXPORTER_IMAGE" "$tarball" \
+        'ENV FORAGE_LOCAL_STAND_IN=1' 'USER 59000:59000' 'EXPOSE 9121' \
+        'ENTRYPOINT ["/redis_exporter"]'
+}
+
 # ---------------------------------------------------------------- main
-WHICH=${*:-python redis}
+WHICH=${*:-python redis prometheus exporter}
 for what in $WHICH; do
     case $what in
         python) image=$PYTHON_IMAGE ;;
         redis) image=$REDIS_IMAGE ;;
-        *) die "unknown image '$what' (python, redis)" ;;
+        prometheus) image=$PROMETHEUS_IMAGE ;;
+        exporter) image=$EXPORTER_IMAGE ;;
+        *) die "unknown image '$what' (python, redis, prometheus, exporter)" ;;
     esac
     if have_image "$image"; then
         log "$what: $image exists, skipped"

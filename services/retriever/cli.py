@@ -1,4 +1,4 @@
-"""`forage retriever build-index ...` and `forage retriever serve ...`."""
+"""`forage retriever build-index ...`, `forage retriever serve ...` and `forage retriever wait`."""
 
 from __future__ import annotations
 
@@ -68,6 +68,23 @@ def register(parser: argparse.ArgumentParser) -> None:
                        help="micro-batches run at once, threads split between them (0: auto; "
                        "retriever.workers)")
     serve.set_defaults(handler=_serve)
+
+    wait = commands.add_parser(
+        "wait", help="wait until the retriever of a run config can search (/healthz 200)",
+        description="Polls GET /healthz next to retriever.url (503 until the index is loaded) "
+        "and exits 0 once it answers 200: the gate a rollout or learner starts behind (a "
+        "Kubernetes init container), so that no evaluation or group clock runs while every "
+        "search fails. Logs what it waits for every --log-every seconds.",
+    )
+    add_config_args(wait, required=False)
+    wait.add_argument("--url", default=None,
+                      help="the retriever's /retrieve URL (default: retriever.url)")
+    wait.add_argument("--timeout", type=float, default=0.0,
+                      help="give up after this many seconds, exit 1 (0: wait for ever; 0)")
+    wait.add_argument("--interval", type=float, default=2.0, help="seconds between tries (2)")
+    wait.add_argument("--log-every", type=float, default=30.0,
+                      help="seconds between progress lines (30)")
+    wait.set_defaults(handler=_wait)
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -158,3 +175,17 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: cannot load index {settings.index_dir}: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _wait(args: argparse.Namespace) -> int:
+    from services.retriever.readiness import wait_until_ready
+
+    url = args.url
+    if url is None:
+        if not args.config:
+            print("error: give --config FILE (retriever.url) or --url", file=sys.stderr)
+            return 2
+        url = config_from_args(args).retriever.url
+    ready = wait_until_ready(url, timeout_s=args.timeout, interval_s=args.interval,
+                             log_every_s=args.log_every)
+    return 0 if ready else 1

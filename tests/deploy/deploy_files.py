@@ -30,6 +30,16 @@ LAYOUTS = {n: REPO / "deploy" / "compose" / f"gpus-{n}.yml" for n in (1, 2, 8)}
 # refuses to start without them.
 USER_ENV = {"FORAGE_WEIGHT_SYNC_TOKEN": "rehearsal-token-0123456789abcdef"}
 K8S_ROOT = REPO  # kustomization.yaml at the repository root (configMapGenerator + deploy/k8s)
+# docs/deploy.md's Kubernetes steps, in order: the kustomization each applies. Step 1 has two
+# variants (the data volume ReadWriteMany, or ReadWriteOnce on one node); the index build
+# completes before the run is applied.
+K8S_STEPS = {
+    "data-loader": REPO / "deploy" / "k8s" / "data-loader",
+    "single-node": REPO / "deploy" / "k8s" / "single-node",
+    "index": REPO / "deploy" / "k8s" / "index",
+    "run": K8S_ROOT,
+}
+GPU = "nvidia.com/gpu"
 K8S_VERSION = "1.32.0"
 
 
@@ -242,11 +252,15 @@ def render_kustomization(directory: Path, _root: Path | None = None) -> list[dic
     for entry in spec.get("resources", []):
         path = (directory / entry).resolve()
         if path.is_dir():
+            if directory.resolve().is_relative_to(path):
+                raise ValueError(f"cycle detected: {path} contains {directory.resolve()}")
             objects.extend(render_kustomization(path))
         else:
             if not path.is_relative_to(directory.resolve()):
                 raise ValueError(f"{entry}: file outside the kustomization directory")
             objects.extend(_load_docs(path))
+    for entry in spec.get("patches", []):
+        _apply_patch(objects, entry, directory)
     renamed: dict[str, str] = {}
     for generator in spec.get("configMapGenerator", []):
         data = {}
@@ -274,6 +288,51 @@ def render_kustomization(directory: Path, _root: Path | None = None) -> list[dic
                 if cm and cm.get("name") in renamed:
                     cm["name"] = renamed[cm["name"]]
     return objects
+
+
+def _apply_patch(objects: list[dict[str, Any]], entry: dict[str, Any], directory: Path) -> None:
+    """A `patches:` entry of the JSON 6902 kind (add / replace / remove), selected by the
+    target's kind, name and namespace; kustomize applies it before the namespace."""
+    target = entry.get("target") or {}
+    unknown = set(target) - {"kind", "name", "namespace"}
+    if unknown:
+        raise ValueError(f"patch target fields not supported here: {sorted(unknown)}")
+    text = entry["patch"] if "patch" in entry else (directory / entry["path"]).read_text()
+    operations = yaml.safe_load(text)
+    if not isinstance(operations, list):
+        raise ValueError("only JSON 6902 patches (a list of operations) are supported here")
+    for obj in objects:
+        meta = obj.get("metadata") or {}
+        if all((obj["kind"] if key == "kind" else meta.get(key)) == value
+               for key, value in target.items()):
+            for operation in operations:
+                _json_patch(obj, operation)
+
+
+def _json_patch(document: dict[str, Any], operation: dict[str, Any]) -> None:
+    keys = [k.replace("~1", "/").replace("~0", "~") for k in operation["path"].split("/")[1:]]
+    parent: Any = document
+    for key in keys[:-1]:
+        parent = parent[int(key)] if isinstance(parent, list) else parent[key]
+    last, op = keys[-1], operation["op"]
+    if isinstance(parent, list):
+        index = len(parent) if last == "-" else int(last)
+        if op == "add":
+            parent.insert(index, operation["value"])
+        elif op == "replace":
+            parent[index] = operation["value"]
+        elif op == "remove":
+            del parent[index]
+        else:
+            raise ValueError(f"JSON patch op {op!r} not supported here")
+    elif op in ("add", "replace"):
+        if op == "replace" and last not in parent:
+            raise ValueError(f"replace: {operation['path']} does not exist")
+        parent[last] = operation["value"]
+    elif op == "remove":
+        del parent[last]
+    else:
+        raise ValueError(f"JSON patch op {op!r} not supported here")
 
 
 def _pod_specs(obj: dict[str, Any]) -> list[dict[str, Any]]:
@@ -316,3 +375,44 @@ def k8s_errors(objects: list[dict[str, Any]], version: str = K8S_VERSION) -> lis
 
 def by_kind(objects: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
     return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+def pod_spec(obj: dict[str, Any]) -> dict[str, Any]:
+    """The pod spec of a Pod, Deployment, StatefulSet or Job."""
+    return obj["spec"] if obj["kind"] == "Pod" else obj["spec"]["template"]["spec"]
+
+
+def pod_gpus(pod: dict[str, Any]) -> int:
+    """The GPUs the scheduler reserves for one pod: its effective request, the larger of the
+    app containers' sum and the largest init container's request. The node keeps it reserved
+    from scheduling on, while the init containers run too. (Init containers that keep running
+    as sidecars would add to the sum; these manifests have none, which this checks.)"""
+    def gpus(container: dict[str, Any]) -> int:
+        resources = container.get("resources") or {}
+        limits = resources.get("limits") or {}
+        # an extended resource's request defaults to its limit
+        return int((resources.get("requests") or {}).get(GPU, limits.get(GPU, 0)))
+
+    inits = pod.get("initContainers", [])
+    assert not any(c.get("restartPolicy") == "Always" for c in inits), "sidecar init container"
+    return max(max((gpus(c) for c in inits), default=0), sum(gpus(c) for c in pod["containers"]))
+
+
+def pod_count(obj: dict[str, Any]) -> int:
+    """Pods a workload runs at once as written (Deployment and StatefulSet replicas, Job
+    parallelism; 1 when unset)."""
+    if obj["kind"] == "Pod":
+        return 1
+    key = "parallelism" if obj["kind"] == "Job" else "replicas"
+    return int(obj["spec"].get(key, 1))
+
+
+def gpus_reserved(objects: list[dict[str, Any]]) -> dict[str, int]:
+    """Workload name -> GPUs its pods reserve together, for the workloads that reserve any."""
+    out = {}
+    for obj in objects:
+        if obj["kind"] in ("Pod", "Deployment", "StatefulSet", "Job"):
+            total = pod_gpus(pod_spec(obj)) * pod_count(obj)
+            if total:
+                out[obj["metadata"]["name"]] = total
+    return out

@@ -1,9 +1,10 @@
 """Deploy files: schema-valid, consistent with each other and with the run config.
 
 No Docker engine, cluster or GPU is needed. docker-compose.yml (alone and with each GPU layout
-file) is validated against the compose-spec JSON schema; the objects `kubectl apply -k .`
-creates are rendered (kubectl kustomize, or the Python renderer in deploy_files.py) and
-validated against the Kubernetes JSON schemas in strict mode. Each validation has a negative
+file) is validated against the compose-spec JSON schema; the objects each Kubernetes step
+creates (`kubectl apply -k` of deploy/k8s/data-loader or deploy/k8s/single-node, of
+deploy/k8s/index, then of the root) are rendered (kubectl kustomize, or the Python renderer in
+deploy_files.py) and validated against the Kubernetes JSON schemas in strict mode. Each validation has a negative
 twin that mutates a copy, so a check that cannot fail would show. The rehearsals that run the
 commands are in test_rehearsal.py.
 """
@@ -25,7 +26,8 @@ from services.common.config import RunConfig, load_config
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "configs/search_r1_nq_hotpotqa.yaml"
 CONTAINER_CONFIG = "/config/search_r1_nq_hotpotqa.yaml"
-# compose service -> (Kubernetes kind, workload name)
+# compose service -> (Kubernetes kind, workload name); the Job is deploy/k8s/index's, the rest
+# are the run's (the root kustomization)
 WORKLOADS = {
     "retriever-index": ("Job", "forage-index"),
     "retriever": ("Deployment", "forage-retriever"),
@@ -65,6 +67,11 @@ def _container(workload: dict) -> dict:
     return workload["spec"]["template"]["spec"]["containers"][0]
 
 
+def _workloads(steps) -> list[dict]:
+    """The objects of the index step and the run: every WORKLOADS entry is among them."""
+    return steps["index"] + steps["run"]
+
+
 # ------------------------------------------------------------------ schema validation
 
 @pytest.mark.parametrize("gpus", [4, 1, 2, 8])
@@ -87,12 +94,13 @@ def test_compose_schema_rejects_a_malformed_copy(deploy, mutate, expected):
     assert errors and any(expected in e for e in errors), errors
 
 
-def test_rendered_kubernetes_objects_validate_strictly(deploy, rendered):
+def test_rendered_kubernetes_objects_validate_strictly(deploy, rendered, steps):
     kinds = {o["kind"] for o in rendered}
-    assert {"Namespace", "ConfigMap", "PersistentVolumeClaim", "Deployment", "StatefulSet", "Job",
-            "Service", "HorizontalPodAutoscaler"} <= kinds
+    assert {"ConfigMap", "PersistentVolumeClaim", "Deployment", "StatefulSet", "Service",
+            "HorizontalPodAutoscaler"} <= kinds
     assert deploy.k8s_errors(rendered) == []
-    assert deploy.k8s_errors(deploy.render(REPO / "deploy" / "k8s" / "data-loader")) == []
+    for step, objects in steps.items():
+        assert objects and deploy.k8s_errors(objects) == [], step
 
 
 @pytest.mark.parametrize("mutate, expected", [
@@ -113,7 +121,7 @@ def test_python_renderer_matches_kubectl(deploy):
     assert deploy.configmap_hash("x", {"a": "b"}) == "4h2mbtbbt6"  # kubectl kustomize v5.5
     if deploy.kubectl() is None:
         pytest.skip("no kubectl here: the Python renderer is used alone")
-    for directory in (deploy.K8S_ROOT, REPO / "deploy" / "k8s" / "data-loader"):
+    for directory in deploy.K8S_STEPS.values():
         ours = deploy.render_kustomization(directory)
         theirs = deploy.kubectl_kustomize(directory)
         key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
@@ -137,12 +145,12 @@ def test_config_generator_must_sit_at_the_root(deploy, tmp_path):
             deploy.kubectl_kustomize(inner)
 
 
-def test_configmap_is_the_compose_config_at_the_same_path(deploy, rendered):
+def test_configmap_is_the_compose_config_at_the_same_path(deploy, rendered, steps):
     (configmap,) = deploy.by_kind(rendered, "ConfigMap").values()
     assert configmap["metadata"]["name"].startswith("forage-config-")
     assert configmap["data"] == {Path(CONFIG).name: (REPO / CONFIG).read_text()}
     for kind, name in WORKLOADS.values():
-        pod = deploy.by_kind(rendered, kind)[name]["spec"]["template"]["spec"]
+        pod = deploy.by_kind(_workloads(steps), kind)[name]["spec"]["template"]["spec"]
         volumes = {v["name"]: v for v in pod.get("volumes", [])}
         mounts = {m["mountPath"]: m["name"] for m in _container({"spec": {"template": {
             "spec": pod}}})["volumeMounts"]}
@@ -152,11 +160,11 @@ def test_configmap_is_the_compose_config_at_the_same_path(deploy, rendered):
 
 # ------------------------------------------------------------------ compose == kubernetes
 
-def test_compose_and_kubernetes_run_the_same_commands(deploy, rendered):
+def test_compose_and_kubernetes_run_the_same_commands(deploy, steps):
     services = deploy.compose_model(env=deploy.USER_ENV)["services"]
     for service, (kind, name) in WORKLOADS.items():
         compose = services[service]
-        container = _container(deploy.by_kind(rendered, kind)[name])
+        container = _container(deploy.by_kind(_workloads(steps), kind)[name])
         k8s_argv = list(container.get("command") or deploy.image_entrypoint(
             compose["build"]["target"])) + container["args"]
         assert k8s_argv == _argv(compose, deploy), service
@@ -294,12 +302,12 @@ def test_every_service_mounts_the_paths_its_config_names(deploy):
         assert data.endswith(":ro") == (name != "retriever-index"), name
 
 
-def test_pods_run_as_the_image_user_with_writable_volumes(deploy, rendered):
+def test_pods_run_as_the_image_user_with_writable_volumes(deploy, rendered, steps):
     assert "USER 1000:1000" in (REPO / "deploy" / "Dockerfile").read_text()
-    pods = [(o["metadata"]["name"], o["spec"]["template"]["spec"]) for o in rendered
+    pods = [(o["metadata"]["name"], o["spec"]["template"]["spec"]) for o in _workloads(steps)
             if o["kind"] in ("Deployment", "StatefulSet", "Job") and o["metadata"]["name"] !=
             "forage-redis"]
-    loader = deploy.by_kind(deploy.render(REPO / "deploy" / "k8s" / "data-loader"), "Pod")
+    loader = deploy.by_kind(steps["data-loader"], "Pod")
     pods.append(("forage-data-loader", loader["forage-data-loader"]["spec"]))
     for name, pod in pods:
         context = pod["securityContext"]
@@ -308,11 +316,11 @@ def test_pods_run_as_the_image_user_with_writable_volumes(deploy, rendered):
             if container["image"].startswith("forage:"):
                 env = {e["name"]: e.get("value") for e in container.get("env", [])}
                 assert name == "forage-data-loader" or env.get("HF_HUB_OFFLINE") == "1", name
-    claims = deploy.by_kind(rendered, "PersistentVolumeClaim")
+    claims = deploy.by_kind(steps["data-loader"], "PersistentVolumeClaim")
     assert "forage-data" in claims
     assert loader["forage-data-loader"]["spec"]["volumes"][0]["persistentVolumeClaim"][
         "claimName"] == "forage-data"
-    job = deploy.by_kind(rendered, "Job")["forage-index"]["spec"]["template"]["spec"]
+    job = deploy.by_kind(steps["index"], "Job")["forage-index"]["spec"]["template"]["spec"]
     assert not job["containers"][0]["volumeMounts"][0].get("readOnly")
     retriever = deploy.by_kind(rendered, "Deployment")["forage-retriever"]["spec"]["template"]
     wait = retriever["spec"]["initContainers"][0]["command"][-1]

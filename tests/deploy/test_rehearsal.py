@@ -418,30 +418,34 @@ def _start_order(services: dict[str, dict]) -> list[str]:
 
 # ---------------------------------------------------------------- kubernetes
 
+# The index step's Job, then the run's workloads in the order their waits resolve (rollout and
+# learner pods wait for the retriever's /healthz).
 K8S_ORDER = [("Job", "forage-index"), ("Deployment", "forage-retriever"),
              ("StatefulSet", "forage-learner"), ("Deployment", "forage-rollout"),
              ("Deployment", "forage-scorer")]
 IMAGE_TARGET = {"forage:cpu": "cpu", "forage:gpu": "gpu"}
 
 
-def test_kubernetes_rehearsal(deploy, rendered, data_volume, tmp_path, redis_url):
+def test_kubernetes_rehearsal(deploy, steps, data_volume, tmp_path, redis_url):
     """The rendered manifests' containers (init containers included), with their volumes,
-    probes and Prometheus annotations, run the job to the end."""
+    probes and Prometheus annotations, run the job to the end: the index step's Job first, to
+    completion, then the run (the root kustomization)."""
     (tmp_path / "home").mkdir()
     data = tmp_path / "data"
     shutil.copytree(data_volume, data)
     namespace = f"rehearsal-k8s-{uuid.uuid4().hex[:8]}"
-    services = deploy.by_kind(rendered, "Service")
-    configmaps = deploy.by_kind(rendered, "ConfigMap")
+    objects = steps["index"] + steps["run"]
+    services = deploy.by_kind(objects, "Service")
+    configmaps = deploy.by_kind(objects, "ConfigMap")
     ports = {p["port"] for s in services.values() for p in s["spec"]["ports"]}
     for kind, name in K8S_ORDER:
-        for c in deploy.by_kind(rendered, kind)[name]["spec"]["template"]["spec"]["containers"]:
+        for c in deploy.by_kind(objects, kind)[name]["spec"]["template"]["spec"]["containers"]:
             ports |= {p["containerPort"] for p in c.get("ports", [])}
     net = Network(set(services), ports, redis_url)
     started: list[Box] = []
     try:
         for kind, name in K8S_ORDER:
-            workload = deploy.by_kind(rendered, kind)[name]
+            workload = deploy.by_kind(objects, kind)[name]
             pod = workload["spec"]["template"]["spec"]
             volumes = _pod_volumes(workload, configmaps, data, tmp_path / "vol" / name, net)
             for init in pod.get("initContainers", []):

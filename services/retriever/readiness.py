@@ -1,0 +1,56 @@
+"""Wait until a retriever can search: the start-up gate of the services that search through it.
+
+The retriever's /healthz answers 503 while its index loads and 200 once it serves, so a 200 is
+the one signal that searches will work (a listening socket is not: the port opens before the
+index is in memory)."""
+
+from __future__ import annotations
+
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import TextIO
+
+
+def healthz_url(retrieve_url: str) -> str:
+    """http://retriever:8000/retrieve -> http://retriever:8000/healthz (any path is replaced)."""
+    return urllib.parse.urljoin(retrieve_url, "/healthz")
+
+
+def probe(url: str, timeout_s: float = 5.0) -> str | None:
+    """None when `url` answers 200, else why not (refused, no such name, HTTP 503, ...)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+            return None if reply.status == 200 else f"HTTP {reply.status}"
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}"
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return str(reason)
+
+
+def wait_until_ready(retrieve_url: str, timeout_s: float = 0.0, interval_s: float = 2.0,
+                     log_every_s: float = 30.0, out: TextIO | None = None) -> bool:
+    """Poll the retriever's /healthz until it answers 200 (True) or `timeout_s` passes (False;
+    0 waits for ever), printing what it waits for at most every `log_every_s` seconds."""
+    out = out or sys.stdout
+    url = healthz_url(retrieve_url)
+    start = time.monotonic()
+    logged: float | None = None
+    while True:
+        why = probe(url)
+        now = time.monotonic()
+        if why is None:
+            print(f"retriever ready at {url} after {now - start:.0f} s", file=out, flush=True)
+            return True
+        if timeout_s and now - start >= timeout_s:
+            print(f"error: the retriever at {url} is not ready after {now - start:.0f} s "
+                  f"({why})", file=out, flush=True)
+            return False
+        if logged is None or now - logged >= log_every_s:
+            print(f"waiting for the retriever at {url} ({why}); {now - start:.0f} s so far",
+                  file=out, flush=True)
+            logged = now
+        time.sleep(interval_s)
