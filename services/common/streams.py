@@ -183,6 +183,20 @@ def lease_interval(visibility_timeout_s: float) -> float:
     return max(0.05, visibility_timeout_s / 3)
 
 
+def parse_stream_id(entry_id: str) -> tuple[int, int]:
+    """A stream entry id `ms-seq` as a pair that orders like Redis orders ids."""
+    ms, _, seq = str(entry_id).partition("-")
+    return int(ms), int(seq or 0)
+
+
+def delivered(entry_id: str, last_delivered_id: str | None) -> bool:
+    """Whether a consumer group whose last-delivered-id is `last_delivered_id` has handed the
+    entry `entry_id` to one of its consumers (ids only grow, and a group reads in id order)."""
+    if last_delivered_id is None:
+        return False
+    return parse_stream_id(entry_id) <= parse_stream_id(last_delivered_id)
+
+
 def stream_key(namespace: str, kind: str) -> str:
     if kind not in STREAM_KINDS and kind != DEAD:
         raise ValueError(f"unknown stream kind {kind!r}; expected one of {STREAM_KINDS + (DEAD,)}")
@@ -709,6 +723,31 @@ class RedisStreams(StreamsBase):
         """Entries the group has not acked yet: undelivered + pending (all of XLEN if no group)."""
         return self._group_backlog(kind, group)[1]
 
+    def last_delivered(self, kind: str, group: str | None = None) -> str | None:
+        """The consumer group's last-delivered-id: every entry at or before it has been handed
+        to a consumer (`delivered`). None when the stream or the group does not exist. The
+        learner starts a group's clock from this (a replica took it), without any mark from
+        the replicas."""
+        key, group = self.key(kind), default_group(kind, group)
+
+        def read() -> list[dict]:
+            return self.client.xinfo_groups(key) if self.client.exists(key) else []
+
+        try:
+            infos = self._retry(f"xinfo {key}", read)
+        except redis.ResponseError:
+            return None
+        for info in infos:
+            if text(info["name"]) == group:
+                return text(info["last-delivered-id"])
+        return None
+
+    def has_entry(self, kind: str, entry_id: str) -> bool:
+        """Whether the stream still holds the entry (a Redis that restarted empty lost it)."""
+        key = self.key(kind)
+        return bool(self._retry(f"xrange {key}", lambda: self.client.xrange(
+            key, min=entry_id, max=entry_id, count=1)))
+
     def pending(self, kind: str, group: str | None = None) -> int:
         key, group = self.key(kind), default_group(kind, group)
         try:
@@ -770,6 +809,12 @@ class Lease:
                                             daemon=True)
             self._thread.start()
         return self
+
+    def add(self, ids: list[str]) -> None:
+        """Lease more ids (a replica that takes new groups while it works on others)."""
+        with self._lock:
+            held = set(self._ids)
+            self._ids.extend(i for i in dict.fromkeys(ids) if i not in held)
 
     def release(self, ids: list[str]) -> None:
         done = set(ids)

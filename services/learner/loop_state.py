@@ -22,8 +22,12 @@ Rules (issue 7, "The loop"):
   indices (the rest arrive as counted duplicates). Dropping would silently skew the data towards
   prompts that generate fast. After ``max_attempts`` issues the group is dropped (counted in
   ``dropped_groups``) so a prompt that always fails cannot stall the run.
-* Timeout: an incomplete group not heard back within ``timeout_s`` of its latest issue is
-  re-issued (reason ``timeout``), with the same attempt limit.
+* Timeout: an incomplete group not heard back within ``timeout_s`` of the moment a rollout
+  replica took its latest issue is re-issued (reason ``timeout``), with the same attempt limit.
+  The clock starts at ``taken(uid, now)``, which the loop calls when it sees the group's
+  prompts-stream entry delivered to a replica, not at the issue: a group still queued (every
+  replica loading its engine, or busy with an evaluation) has not been slow, and issuing it
+  again would only queue a second copy behind the first.
 * Trajectories for uids not in flight (never issued, already trained, or dropped) are ignored and
   counted in ``unknown``; sample ids whose index is not an integer in [0, n) in ``malformed``.
 * Errors: a trajectory that failed for a reason outside the policy (finish_reason ``error``,
@@ -124,6 +128,8 @@ class GroupRecord:
     issued_version: int
     issue_time: float
     attempt: int = 0
+    # When a replica took the latest issue (the timeout clock's start); None: not yet taken.
+    taken_time: float | None = None
     # Plain-JSON data the loop needs to re-publish the group (e.g. its dataset row).
     meta: dict[str, Any] = field(default_factory=dict)
     samples: dict[int, Any] = field(default_factory=dict)
@@ -331,20 +337,32 @@ class GroupLedger:
         return dropped
 
     # --- re-issue ----------------------------------------------------------------------------
+    def taken(self, uid: str, now: float) -> bool:
+        """A replica took the latest issue of `uid`: its timeout clock starts at `now` (once per
+        issue). False for a uid not in flight or a clock already running."""
+        record = self.groups.get(uid)
+        if record is None or record.taken_time is not None:
+            return False
+        record.taken_time = now
+        return True
+
     def overdue(self, now: float) -> list[str]:
-        """uids of incomplete groups not heard back within timeout_s of their latest issue."""
+        """uids of incomplete groups not heard back within timeout_s of a replica taking their
+        latest issue (a group no replica has taken is never overdue)."""
         if self.timeout_s is None:
             return []
         return [
             r.uid for r in self.groups.values()
-            if not r.complete and now - r.issue_time > self.timeout_s
+            if not r.complete and r.taken_time is not None
+            and now - r.taken_time > self.timeout_s
         ]
 
     def poll(self, now: float) -> PollResult:
         """Re-issue groups that are overdue or flagged (stale, resume); drop those out of tries.
 
-        A re-issue bumps the attempt, restarts the timeout clock at `now` and moves the group's
-        issued version to the current one; samples already held are kept.
+        A re-issue bumps the attempt, stops the timeout clock until a replica takes the new
+        issue (`taken`) and moves the group's issued version to the current one; samples
+        already held are kept.
         """
         overdue = set(self.overdue(now))
         result = PollResult(reissue=[], dropped=[])
@@ -362,6 +380,7 @@ class GroupLedger:
                 continue
             record.attempt += 1
             record.issue_time = now
+            record.taken_time = None
             record.issued_version = self.current_version
             record.reissue_reason = None
             self.counters["reissued"] += 1
@@ -442,7 +461,8 @@ class GroupLedger:
             "groups": [
                 {
                     "uid": r.uid, "n": r.n, "issued_version": r.issued_version,
-                    "issue_time": r.issue_time, "attempt": r.attempt, "meta": dict(r.meta),
+                    "issue_time": r.issue_time, "taken_time": r.taken_time,
+                    "attempt": r.attempt, "meta": dict(r.meta),
                     "held": len(r.samples) + (r.baseline_item is not None),
                     "reissue_reason": r.reissue_reason, "baseline": r.baseline,
                 }

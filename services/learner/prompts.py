@@ -8,6 +8,7 @@ a log line be traced back to the dataset.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -21,6 +22,35 @@ def epoch_order(n_rows: int, seed: int, epoch: int, shuffle: bool = True) -> lis
     if not shuffle:
         return list(range(n_rows))
     return np.random.default_rng([seed, epoch]).permutation(n_rows).tolist()
+
+
+def eval_subset(rows: Sequence[dict[str, Any]], cap: int) -> list[int]:
+    """Indices (in file order) of the rows an evaluation asks: all of them when `cap` is 0 or
+    covers the test set, else `cap` rows.
+
+    Search-R1's test file is seven datasets one after another (~51k questions); its first
+    `cap` rows would all be NQ. So the cap is split over `data_source` in proportion to each
+    source's rows (largest remainders; ties go to the smaller source, then by name), and within a source the rows kept are
+    those whose hash of (source, place in the source) is smallest: a spread over the whole
+    source, the same for every evaluation of every run on the same test files, whatever the
+    run's seeds, so evaluations stay comparable across steps and runs.
+    """
+    if cap <= 0 or cap >= len(rows):
+        return list(range(len(rows)))
+    by_source: dict[str, list[int]] = {}
+    for index, row in enumerate(rows):
+        by_source.setdefault(str(row["data_source"]), []).append(index)
+    exact = {source: cap * len(members) / len(rows) for source, members in by_source.items()}
+    quota = {source: int(share) for source, share in exact.items()}
+    rest = cap - sum(quota.values())
+    for source in sorted(exact, key=lambda s: (quota[s] - exact[s], len(by_source[s]), s))[:rest]:
+        quota[source] += 1
+    chosen: list[int] = []
+    for source, members in by_source.items():
+        ranked = sorted(range(len(members)), key=lambda place: hashlib.blake2b(
+            f"{source}:{place}".encode(), digest_size=8).digest())
+        chosen.extend(members[place] for place in ranked[: quota[source]])
+    return sorted(chosen)
 
 
 def ground_truth_of(row: dict[str, Any]) -> Any:

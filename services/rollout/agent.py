@@ -169,45 +169,80 @@ class AgentLoop:
         self,
         groups: Sequence[PromptGroup],
         on_group_done: Callable[[PromptGroup, list[Trajectory]], None] | None = None,
+        feed: Callable[[int], Sequence[PromptGroup]] | None = None,
     ) -> list[Trajectory]:
-        """Play every sample of every group; returns trajectories grouped, in input order.
+        """Play every sample of every group; returns the trajectories of `groups`, grouped, in
+        input order.
 
         `on_group_done` is called as soon as all `n` trajectories of a group are finished, so a
         service can publish and ack that group while others still run.
+
+        `feed(free)` keeps the engine full (continuous scheduling; lockstep rounds take no
+        newcomers): it is called between engine steps with the number of sequence slots free,
+        `engine.max_batch_size` minus the trajectories still in flight, and the groups it
+        returns start at once. Without it a replica would take a batch of groups and play it
+        to the end, its engine emptying while the slowest trajectory of the batch finishes.
+        Fed groups reach `on_group_done` only and are forgotten once reported (a run fed from
+        a stream may last as long as the stream has work). The run ends when nothing is in
+        flight and `feed` returns nothing.
         """
-        states: list[_State] = []
+        lockstep = self.settings.scheduling == "lockstep"
+        if lockstep:
+            feed = None
         by_group: dict[int, list[_State]] = {}
-        for group_index, group in enumerate(groups):
-            prompt_ids = self.prompt_ids(group)
-            params, max_turns = self._group_params(group)
-            members = [
-                _State(group, i, prompt_ids, params, max_turns) for i in range(max(1, group.n))
-            ]
-            by_group[group_index] = members
-            states.extend(members)
-        group_of = {id(state): gi for gi, members in by_group.items() for state in members}
+        group_of: dict[int, int] = {}  # id(state) -> group index
+        group_at: dict[int, PromptGroup] = {}
         reported: set[int] = set()
         results: dict[int, list[Trajectory]] = {}
+        kept = len(groups)  # group indices below this are returned; fed ones are not kept
+        next_index = 0
 
-        lockstep = self.settings.scheduling == "lockstep"
+        def start(new: Sequence[PromptGroup]) -> None:
+            nonlocal next_index
+            members_all: list[_State] = []
+            for group in new:
+                gi, next_index = next_index, next_index + 1
+                prompt_ids = self.prompt_ids(group)
+                params, max_turns = self._group_params(group)
+                members = [
+                    _State(group, i, prompt_ids, params, max_turns) for i in range(max(1, group.n))
+                ]
+                by_group[gi], group_at[gi] = members, group
+                for member in members:
+                    group_of[id(member)] = gi
+                members_all.extend(members)
+            for state in members_all:
+                self._submit_turn(state)
+
+        def in_flight() -> int:
+            return sum(not member.done for gi, members in by_group.items()
+                       if gi not in reported for member in members)
+
         deferred: list[_State] = []  # lockstep: continue next round
         searches: list[tuple[_State, str]] = []  # waiting for a /retrieve call
         inflight: tuple[Future, list[tuple[_State, str]]] | None = None
-        for state in states:
-            self._submit_turn(state)
+        start(groups)
         tokens_at_start, started = self._tokens(), time.perf_counter()
+        rate_from, rate_tokens = started, tokens_at_start
 
         def finish_check(state: _State) -> None:
-            gi = group_of[id(state)]
-            if gi in reported or not all(member.done for member in by_group[gi]):
+            gi = group_of.get(id(state))
+            if gi is None or gi in reported or not all(member.done for member in by_group[gi]):
                 return
             reported.add(gi)
             trajectories = [self._trajectory(member) for member in by_group[gi]]
-            results[gi] = trajectories
+            group = group_at[gi]
+            if gi < kept:
+                results[gi] = trajectories
+            else:  # fed: forget it, so a long-fed run holds only what is in flight
+                for member in by_group.pop(gi):
+                    group_of.pop(id(member), None)
+                group_at.pop(gi)
+                reported.discard(gi)
             for trajectory in trajectories:
                 metrics.FINISHED.labels(trajectory.finish_reason).inc()
             if on_group_done is not None:
-                on_group_done(groups[gi], trajectories)
+                on_group_done(group, trajectories)
 
         while True:
             if self.engine.has_unfinished():
@@ -220,6 +255,12 @@ class AgentLoop:
                 )
             if self.on_step is not None:
                 self.on_step()
+            if feed is not None:  # before waiting on /retrieve: newcomers decode meanwhile
+                free = self.engine.max_batch_size - in_flight()
+                if free > 0:
+                    newcomers = list(feed(free))
+                    if newcomers:
+                        start(newcomers)
             idle = not self.engine.has_unfinished()
             if inflight is None and searches and (not lockstep or idle):
                 batch, searches = searches, []
@@ -233,16 +274,20 @@ class AgentLoop:
             if lockstep and idle and inflight is None and not searches and deferred:
                 for state in deferred:
                     self._submit_turn(state)
-                deferred = []
+                deferred.clear()
+            now = time.perf_counter()
+            if now - rate_from >= 10.0:  # a fed run may never end: report the rate as it goes
+                metrics.TOKENS_PER_S.set((self._tokens() - rate_tokens) / (now - rate_from))
+                rate_from, rate_tokens = now, self._tokens()
             if not self.engine.has_unfinished() and inflight is None and not searches:
                 if not deferred:
                     break
-        elapsed = max(time.perf_counter() - started, 1e-9)
-        metrics.TOKENS_PER_S.set((self._tokens() - tokens_at_start) / elapsed)
-        for gi in range(len(groups)):  # groups whose members all errored early, etc.
-            if gi not in results:
+        elapsed = max(time.perf_counter() - rate_from, 1e-9)
+        metrics.TOKENS_PER_S.set((self._tokens() - rate_tokens) / elapsed)
+        for gi in list(by_group):  # groups whose members all errored early, etc.
+            if gi not in reported:
                 finish_check(by_group[gi][0])
-        return [traj for gi in range(len(groups)) for traj in results[gi]]
+        return [traj for gi in range(kept) for traj in results[gi]]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -4,10 +4,14 @@ One replica = one process = one engine. It joins consumer group `rollout` on the
 stream, plays groups through the agent loop, publishes each group's `n` trajectories together
 and only then acks the group (at-least-once: a replica that dies before the ack leaves the
 group pending, another replica reclaims it after the visibility timeout; sample ids are
-deterministic so the learner's de-duplication drops a repeat). Between engine steps it polls
-the learner's WeightSync and swaps to a newer version; before taking any work it fetches the
-current one. A heartbeat key with a TTL says it is alive and what it serves. SIGTERM stops
-taking work, finishes the groups in hand, publishes and acks them, and exits 0.
+deterministic so the learner's de-duplication drops a repeat). The engine is kept full: as
+sequences finish, the replica takes new groups from the stream (up to `rollout.max_batch_size`
+sequences in flight), rather than playing a batch to its slowest trajectory before reading
+again; a group is taken only when it can start, so the learner may time it from that moment.
+Between engine steps it polls the learner's WeightSync and swaps to a newer version; before
+taking any work it fetches the current one. A heartbeat key with a TTL says it is alive and
+what it serves. SIGTERM stops taking work, finishes the groups in hand, publishes and acks
+them, and exits 0.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import signal
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from services.common.codec import CodecError, decode_as, encode
@@ -32,6 +37,11 @@ from services.rollout.probe import ProbeSettings
 from services.rollout.retrieval import RetrieverClient
 
 log = logging.getLogger("forage.rollout")
+
+# While its engine is busy, a replica reads the stream for new groups at most this often (an
+# idle one reads at once): two Redis round trips per engine step would cost more than the
+# few milliseconds a freed slot waits.
+FEED_INTERVAL_S = 0.05
 
 
 def replica_name(configured: str) -> str:
@@ -93,6 +103,12 @@ class RolloutWorker:
         self._busy = 0
         self._redis = None
         self._streams = None
+        # Groups taken while the engine serves an older version than they need: leased, not
+        # started until the new weights are in.
+        self._held: list[tuple[PromptGroup, Any]] = []
+        self._in_hand = 0  # groups taken and not yet published or dead-lettered
+        self._published = 0  # groups published since the start (for the log line)
+        self._last_read = 0.0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -139,53 +155,103 @@ class RolloutWorker:
                 or "redis://127.0.0.1:6379/0")
 
     def _groups_per_batch(self) -> int:
+        """Groups an idle replica reads at once: as many as fill the engine."""
         configured = self.config.rollout.groups_per_batch
         if configured:
             return configured
-        return max(1, self.config.rollout.max_batch_size // max(1, self.config.data.n_samples))
+        return max(1, self.engine.max_batch_size // max(1, self.config.data.n_samples))
 
     # ------------------------------------------------------------------ work
 
     def _play(self, messages: list[Any]) -> None:
-        """Decode, play, publish and ack one batch; one bad group never takes the others.
+        """Decode, play, publish and ack groups, taking more from the stream as sequences
+        finish, until the replica has nothing in flight; one bad group never takes the others.
 
         A record that does not decode (the codec also refuses NaN sampling values, empty
         prompts, unbounded `n`, deep free-form fields) is dead-lettered alone with the reason.
-        If playing the batch raises, the groups not yet published are played again one at a
-        time and only a group that fails alone is dead-lettered, with the exception. Failures
-        of the replica itself (Redis, backpressure, its weight sync between steps) are not the
-        groups' fault: they propagate. The messages are leased until each group is acked, so
-        a batch slower than `redis.visibility_timeout_s` is not reclaimed and played twice.
+        If playing raises, the groups not yet published are played again one at a time and
+        only a group that fails alone is dead-lettered, with the exception. Failures of the
+        replica itself (Redis, backpressure, its weight sync between steps) are not the
+        groups' fault: they propagate. Every message is leased until its group is acked, so
+        play slower than `redis.visibility_timeout_s` is not reclaimed and played twice.
         """
         with self._streams.lease("prompts", self.name, [m.id for m in messages]) as lease:
-            pending: list[tuple[PromptGroup, Any]] = []
-            for message in messages:
-                try:
-                    pending.append((decode_as(message.payload, PromptGroup), message))
-                except CodecError as exc:
-                    self._dead_letter(message, str(exc))
-            pending = self._drop_future_versions(pending)
-            if not pending:
-                return
-            needed = max(group.policy_version_min for group, _ in pending)
-            if needed > self.engine.policy_version and self.config.rollout.weight_sync:
-                self._wait_for_version(needed)
-            started, tokens0 = time.perf_counter(), self._tokens()
-            left, error = self._play_groups(pending, lease)
-            if error is not None and len(pending) > 1:
-                log.error("playing %d groups failed (%s); playing the %d unfinished ones alone",
-                          len(pending), _describe(error), len(left))
-                for one in list(left):
-                    rest, error = self._play_groups([one], lease)
-                    if error is not None:
-                        self._dead_letter(rest[0][1], f"playing the group failed: "
-                                                      f"{_describe(error)}")
-            elif error is not None:
-                self._dead_letter(left[0][1], f"playing the group failed: {_describe(error)}")
+            pending = self._accept(messages)
+            self._last_read = time.monotonic()
+            started, tokens0, published0 = time.perf_counter(), self._tokens(), self._published
+            while pending:
+                needed = max(group.policy_version_min for group, _ in pending)
+                if needed > self.engine.policy_version and self.config.rollout.weight_sync:
+                    self._wait_for_version(needed)
+                left, error = self._play_groups(
+                    pending, lease, feed=lambda free: self._take_more(lease, free))
+                if error is not None:
+                    log.error("playing failed (%s); playing the %d unfinished group(s) alone",
+                              _describe(error), len(left))
+                    for one in left:
+                        rest, error = self._play_groups([one], lease)
+                        if error is not None:
+                            self._dead_letter(rest[0][1], f"playing the group failed: "
+                                                          f"{_describe(error)}")
+                            self._in_hand -= 1
+                # Groups that waited for newer weights: the engine went idle without them.
+                pending, self._held = self._held, []
             elapsed = time.perf_counter() - started
-            log.info("played %d groups in %.2fs (%.0f tokens/s)", len(pending), elapsed,
-                     (self._tokens() - tokens0) / max(elapsed, 1e-9))
+            log.info("played %d groups in %.2fs (%.0f tokens/s)", self._published - published0,
+                     elapsed, (self._tokens() - tokens0) / max(elapsed, 1e-9))
             self._busy = 0
+
+    def _accept(self, messages: list[Any]) -> list[tuple[PromptGroup, Any]]:
+        """Decoded groups of `messages`; undecodable records and groups asking for a version
+        the learner never published are dead-lettered (each alone, with the reason)."""
+        pending: list[tuple[PromptGroup, Any]] = []
+        for message in messages:
+            try:
+                pending.append((decode_as(message.payload, PromptGroup), message))
+            except CodecError as exc:
+                self._dead_letter(message, str(exc))
+        pending = self._drop_future_versions(pending)
+        self._in_hand += len(pending)
+        return pending
+
+    def _take_more(self, lease: Any, free: int) -> list[tuple[PromptGroup, Any]]:
+        """Groups to start now that `free` sequence slots are free: held ones whose weights
+        have arrived, then new ones from the stream (read without blocking). A group is read
+        only when its samples fit (by `data.n_samples`), so the learner's clock, which starts
+        when a replica takes a group, starts when the group can start. Groups that need newer
+        weights than the engine serves are held (leased, not started) until they arrive."""
+        if self.stopping:
+            return []
+        ready: list[tuple[PromptGroup, Any]] = []
+        still: list[tuple[PromptGroup, Any]] = []
+        for group, message in self._held:  # new weights arrive between engine steps
+            fits = group.policy_version_min <= self.engine.policy_version
+            (ready if fits else still).append((group, message))
+        self._held = still
+        free -= sum(max(1, group.n) for group, _ in ready)
+        now = time.monotonic()
+        idle = free >= self.engine.max_batch_size and not self._held
+        count = free // max(1, self.config.data.n_samples)
+        if idle:
+            count = max(count, 1)  # a group larger than the engine still runs, alone
+        configured = self.config.rollout.groups_per_batch
+        if configured:
+            count = min(count, configured - self._in_hand)
+        if count <= 0 or (not idle and now - self._last_read < FEED_INTERVAL_S):
+            return ready
+        self._last_read = now
+        messages = self._streams.consume("prompts", consumer=self.name, count=count,
+                                         block_ms=0)
+        if not messages:
+            return ready
+        lease.add([m.id for m in messages])
+        for group, message in self._accept(messages):
+            if group.policy_version_min > self.engine.policy_version and \
+                    self.config.rollout.weight_sync:
+                self._held.append((group, message))
+            else:
+                ready.append((group, message))
+        return ready
 
     def _drop_future_versions(self, pending: list[tuple[PromptGroup, Any]]
                               ) -> list[tuple[PromptGroup, Any]]:
@@ -213,30 +279,44 @@ class RolloutWorker:
                 keep.append((group, message))
         return keep
 
-    def _play_groups(self, pending: list[tuple[PromptGroup, Any]], lease: Any
-                     ) -> tuple[list[tuple[PromptGroup, Any]], Exception | None]:
-        """Play groups, publishing and acking each as it finishes; returns the groups not
-        published and the exception that stopped them (None when all were)."""
+    def _play_groups(
+        self, pending: list[tuple[PromptGroup, Any]], lease: Any,
+        feed: Callable[[int], list[tuple[PromptGroup, Any]]] | None = None,
+    ) -> tuple[list[tuple[PromptGroup, Any]], Exception | None]:
+        """Play groups, publishing and acking each as it finishes, and the groups `feed` hands
+        over as sequence slots free up; returns the groups not published and the exception
+        that stopped them (None when all were)."""
         message_of = {id(group): message for group, message in pending}
         left = {id(group): (group, message) for group, message in pending}
         self._busy = sum(group.n for group, _ in pending)
         self._heartbeat(force=True)
 
         def publish(group: PromptGroup, trajectories: list[Trajectory]) -> None:
-            message = message_of[id(group)]
+            message = message_of.pop(id(group))
             self._streams.publish_many("rollouts", [encode(t) for t in trajectories])
             self._streams.ack("prompts", [message.id])
             lease.release([message.id])
             left.pop(id(group), None)
             metrics.GROUPS.labels(group.kind).inc()
             self._busy -= group.n
+            self._in_hand -= 1
+            self._published += 1
+
+        def take(free: int) -> list[PromptGroup]:
+            fresh = feed(free) if feed is not None else []
+            for group, message in fresh:
+                message_of[id(group)] = message
+                left[id(group)] = (group, message)
+                self._busy += group.n
+            return [group for group, _ in fresh]
 
         try:
-            self.loop.run([group for group, _ in pending], on_group_done=publish)
+            self.loop.run([group for group, _ in pending], on_group_done=publish,
+                          feed=take if feed is not None else None)
         except Exception as exc:
             if _replica_fault(exc):
                 raise
-            log.exception("playing %d group(s) failed", len(pending))
+            log.exception("playing %d group(s) failed", len(left))
             self._reset_engine()
             return list(left.values()), exc
         return [], None

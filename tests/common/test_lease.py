@@ -66,6 +66,31 @@ def test_a_leased_message_is_not_reclaimed_while_its_work_takes_3x_the_timeout(
     assert s.pending("rollouts") == 0
 
 
+def test_ids_added_to_a_lease_are_kept_too(client, redis_url, namespace):
+    """A replica that takes new groups while it works on others adds them to its lease
+    (Lease.add): they are renewed like the first ones, never reclaimed mid-work."""
+    s = RedisStreams(client, namespace, visibility_timeout_s=VT)
+    s.ensure_group("prompts")
+    s.publish_many("prompts", [b"first", b"taken later"])
+    [first] = s.consume("prompts", "worker", count=1, block_ms=50)
+    other = RedisStreams(redis.Redis.from_url(redis_url), namespace, visibility_timeout_s=VT)
+    stolen: list[str] = []
+    try:
+        with s.lease("prompts", "worker", [first.id]) as lease:
+            time.sleep(VT / 2)
+            [later] = s.consume("prompts", "worker", count=1, block_ms=50)
+            lease.add([later.id, first.id])  # a repeat id is held once
+            deadline = time.monotonic() + 3 * VT
+            while time.monotonic() < deadline:
+                stolen.extend(m.id for m in other.consume("prompts", "thief", count=1,
+                                                          block_ms=50))
+            assert lease.ids == [first.id, later.id] and not lease.lost
+            assert s.ack("prompts", [first.id, later.id]) == 2
+    finally:
+        other.close()
+    assert stolen == []
+
+
 def test_without_the_lease_the_same_work_is_reclaimed(client, namespace):
     """The control: what the lease prevents does happen without it."""
     s = RedisStreams(client, namespace, visibility_timeout_s=VT)

@@ -114,6 +114,7 @@ def test_samples_in_index_order_and_scored_wrapper() -> None:
 def test_dedupe_across_attempts() -> None:
     ledger = GroupLedger(max_staleness=0, train_batch_size=1, timeout_s=10.0)
     ledger.issue("u", 3, now=0.0)
+    ledger.taken("u", now=0.0)
     assert ledger.add(traj("u", 0)) == "accepted"
     assert ledger.add(traj("u", 0)) == "duplicates"  # redelivery of the same message
     result = ledger.poll(now=11.0)
@@ -170,12 +171,16 @@ def test_timeout_reissue_and_attempt_limit() -> None:
     ledger = GroupLedger(max_staleness=0, train_batch_size=2, timeout_s=30.0, max_attempts=2)
     ledger.issue("slow", 1, now=0.0)
     ledger.issue("fast", 1, now=0.0)
+    ledger.taken("slow", now=0.0)
+    ledger.taken("fast", now=0.0)
     fill(ledger, "fast", 1)
     assert ledger.overdue(now=30.0) == []  # strictly past the timeout
     assert ledger.overdue(now=30.5) == ["slow"]  # complete groups are never overdue
     result = ledger.poll(now=31.0)
     assert [(r.uid, r.attempt) for r in result.reissue] == [("slow", 1)]
-    assert ledger.overdue(now=60.0) == []  # clock restarted at the re-issue
+    assert ledger.overdue(now=1e9) == []  # the re-issue's clock waits for a replica
+    assert ledger.taken("slow", now=31.0)
+    assert ledger.overdue(now=60.0) == []
     result = ledger.poll(now=62.0)
     assert result.reissue == [] and result.dropped == ["slow"]  # second try exhausted
     assert "slow" not in ledger.groups
@@ -186,9 +191,27 @@ def test_timeout_reissue_and_attempt_limit() -> None:
     assert (acc["in_flight"], acc["balanced"]) == (1, 1)
 
 
+def test_the_clock_starts_when_a_replica_takes_the_group() -> None:
+    """A group still queued in the prompts stream (replicas loading, or busy with an
+    evaluation) has not been slow: only the time since a replica took it counts."""
+    ledger = GroupLedger(max_staleness=0, train_batch_size=2, timeout_s=10.0)
+    ledger.issue("queued", 1, now=0.0)
+    ledger.issue("playing", 1, now=0.0)
+    assert ledger.overdue(now=1e6) == [] and ledger.poll(now=1e6).reissue == []
+    assert ledger.taken("playing", now=100.0)
+    assert not ledger.taken("playing", now=105.0)  # the first take starts the clock
+    assert not ledger.taken("nobody", now=105.0)
+    assert ledger.overdue(now=110.0) == [] and ledger.overdue(now=110.5) == ["playing"]
+    result = ledger.poll(now=111.0)
+    assert [(r.uid, r.reason) for r in result.reissue] == [("playing", "timeout")]
+    assert ledger.groups["queued"].taken_time is None
+    assert ledger.accounting()["reissued_timeout"] == 1
+
+
 def test_no_timeout_means_never_overdue() -> None:
     ledger = GroupLedger(max_staleness=0, train_batch_size=1)
     ledger.issue("u", 1, now=0.0)
+    ledger.taken("u", now=0.0)
     assert ledger.overdue(now=1e9) == []
     assert ledger.poll(now=1e9).reissue == []
 

@@ -118,6 +118,17 @@ def test_every_recipe_value_names_its_source(path):
 
 
 @pytest.mark.parametrize("path", [GRPO, PPO], ids=["grpo", "ppo"])
+def test_recipes_size_rollout_and_evaluation_for_a_gpu_run(path):
+    """The fork's vLLM concurrency (max_num_seqs 1024), not the CPU engine's 32, and an
+    evaluation that fits its time limit: a capped question set (~51k in the test file), paced
+    so training groups are not queued behind all of it."""
+    cfg = load_config(path)
+    assert cfg.rollout.engine == "vllm" and cfg.rollout.max_batch_size == 1024
+    assert 0 < cfg.learner.eval_max_questions <= 5000
+    assert cfg.learner.eval_max_in_flight >= 2 * cfg.rollout.max_batch_size
+
+
+@pytest.mark.parametrize("path", [GRPO, PPO], ids=["grpo", "ppo"])
 def test_the_learner_accepts_the_recipes(path):
     cfg = load_config(path)
     check_estimator(cfg.learner.adv_estimator)

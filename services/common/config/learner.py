@@ -108,8 +108,11 @@ class LearnerSection(Section):
     # synth` writes it).
     sft_heldout: str | None = None
     # --- The RL stream loop (`forage learner train`; services/learner/loop.py) ---
-    # A group not complete this long after its latest issue is issued again (counted); after
-    # `max_attempts` issues it is given up (counted) so one bad prompt cannot stall the run.
+    # A group not complete this long after a rollout replica took its latest issue from the
+    # prompts stream is issued again (counted); after `max_attempts` issues it is given up
+    # (counted) so one bad prompt cannot stall the run. The clock starts when a replica takes
+    # the group, not when it is published: groups queued while replicas load (or work through
+    # an evaluation) are not timed out for waiting.
     group_timeout_s: float = Field(default=300.0, gt=0)
     max_attempts: int = Field(default=3, ge=1)
     # Scored trajectories read per poll, and how long one read blocks.
@@ -120,7 +123,17 @@ class LearnerSection(Section):
     eval_before: bool = True
     eval_every: int = Field(default=0, ge=0)
     eval_at_end: bool = True
+    # The evaluation's time limit, counted from when a replica takes its first question.
     eval_timeout_s: float = Field(default=600.0, gt=0)
+    # Questions per evaluation (0: every test row): a fixed subset, proportional per
+    # data_source and chosen by a hash of each row's place in its source, so every evaluation
+    # of every run on the same test files asks the same questions (prompts.eval_subset).
+    eval_max_questions: int = Field(default=2000, ge=0)
+    # Evaluation questions published and not yet answered, at most (0: all at once). Training
+    # groups the learner issues meanwhile queue behind this window rather than behind the
+    # whole test set, and an evaluation that times out leaves at most this many questions in
+    # the stream. Keep it >= 2 x replicas x rollout.max_batch_size for a full-speed evaluation.
+    eval_max_in_flight: int = Field(default=1024, ge=0)
     # Group filter guard: after this many constant-reward groups are dropped in a row without a
     # batch forming, the next batch is trained unfiltered (logged) instead of sampling forever.
     filter_max_dropped: int = Field(default=256, ge=1)

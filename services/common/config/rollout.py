@@ -4,16 +4,25 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
 from services.common.config.base import Section
+
+# `rollout.max_batch_size` when the config leaves it out, per engine. vLLM's own default for
+# `max_num_seqs` (its LLM class on a GPU under 70 GiB; 1024 on H100/H200-class GPUs) sizes a
+# GPU replica; 32 suits the transformers engine on CPU, where every running row costs
+# compute each step.
+DEFAULT_MAX_BATCH_SIZE: dict[str, int] = {"vllm": 256, "transformers": 32}
 
 
 class RolloutSection(Section):
     engine: Literal["transformers", "vllm"] = "transformers"
     device: str = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_batch_size: int = Field(default=32, ge=1)
+    # Sequences one replica keeps in flight (vLLM: its max_num_seqs). The replica takes new
+    # groups from the stream as its sequences finish, so the engine stays this full. Left
+    # out (null): DEFAULT_MAX_BATCH_SIZE of the engine (vllm 256, transformers 32).
+    max_batch_size: int = Field(default=None, ge=1, validate_default=True)  # type: ignore[assignment]
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=0)
@@ -37,7 +46,8 @@ class RolloutSection(Section):
     scheduling: Literal["continuous", "lockstep"] = "continuous"
     # Replica name (consumer name, heartbeat key); empty: hostname-pid.
     name: str = ""
-    # Prompt groups taken from the stream per agent-loop run (0: max_batch_size // n, at least 1).
+    # Most prompt groups one replica holds at once (0: as many as max_batch_size sequences
+    # hold, at least 1); the first read of an idle replica takes max_batch_size // n groups.
     groups_per_batch: int = Field(default=0, ge=0)
     # Pull weights from the learner's WeightSync (off for tests without a learner).
     weight_sync: bool = True
@@ -61,3 +71,12 @@ class RolloutSection(Section):
     # Any other vLLM EngineArgs field, passed through as given (e.g. max_num_batched_tokens,
     # kv_cache_dtype); the keys above and the ones Forage sets itself cannot be overridden here.
     vllm_engine_args: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("max_batch_size", mode="before")
+    @classmethod
+    def _engine_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """Fill a left-out max_batch_size from the engine: a GPU engine left at a CPU-sized
+        batch runs a fraction of the sequences its GPU holds (vLLM's max_num_seqs)."""
+        if value is None:
+            return DEFAULT_MAX_BATCH_SIZE[info.data.get("engine", "transformers")]
+        return value
