@@ -98,7 +98,8 @@ def attention_kernels(trainer, samples) -> list[str]:
 
 
 def run_setting(model_dir: Path, shape: str, zero: int, checkpointing: bool, samples,
-                micro_tokens: int, steps: int, profile_kernels: bool) -> dict:
+                micro_tokens: int, steps: int, profile_kernels: bool,
+                attention: str = "auto") -> dict:
     import torch
 
     from services.common.config.learner import LearnerSection
@@ -106,7 +107,8 @@ def run_setting(model_dir: Path, shape: str, zero: int, checkpointing: bool, sam
 
     reset_peak_memory()
     before = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
-    cfg = LearnerSection(lr=1e-6, zero_stage=zero, micro_batch_tokens=micro_tokens, grad_clip=1.0)
+    cfg = LearnerSection(lr=1e-6, zero_stage=zero, micro_batch_tokens=micro_tokens, grad_clip=1.0,
+                         attention=attention)
     started = time.perf_counter()
     trainer = PolicyTrainer(str(model_dir), cfg, gradient_checkpointing=checkpointing)
     build_s = time.perf_counter() - started
@@ -123,6 +125,7 @@ def run_setting(model_dir: Path, shape: str, zero: int, checkpointing: bool, sam
             "shape": shape, "zero_stage": zero, "zero_stage_run": trainer.policy.zero_stage,
             "gradient_checkpointing": checkpointing,
             "dtype": str(trainer.dtype).removeprefix("torch."),
+            "attention": attention,
             "attn_implementation": trainer.attn_implementation,
             "shared_prompts": trainer.share_prompts,
             "micro_batch_tokens": micro_tokens,
@@ -146,6 +149,13 @@ def run_setting(model_dir: Path, shape: str, zero: int, checkpointing: bool, sam
         reset_peak_memory()
 
 
+# (ZeRO stage, gradient checkpointing, learner.attention) per shape. `auto` is what a run gets
+# (flash-attn, else FlexAttention block masks on CUDA, else SDPA); the `sdpa` row beside the
+# first is the dense-mask baseline it replaced, timed in the same process.
+SETTINGS = ((0, False, "auto"), (0, False, "sdpa"), (0, True, "auto"), (2, False, "auto"),
+            (2, True, "auto"))
+
+
 def measure(args: argparse.Namespace, report: PartReport) -> None:
     facts = device_facts()
     if args.dry_run:
@@ -166,29 +176,29 @@ def measure(args: argparse.Namespace, report: PartReport) -> None:
 
         samples = grpo_batch(vocab=SHAPES[shape]["vocab_size"], **batch)
         first = True
-        for zero in (0, 2):
-            for checkpointing in (False, True):
-                try:
-                    result = run_setting(model_dir, shape, zero, checkpointing, samples,
-                                         micro, steps, profile_kernels=first)
-                except Exception as exc:  # one setting failing (e.g. OOM) keeps the rest
-                    result = {"shape": shape, "zero_stage": zero,
-                              "gradient_checkpointing": checkpointing,
-                              "error": f"{type(exc).__name__}: {exc}"[:2000]}
-                else:
-                    first = False
-                    computed = _computed_lengths(samples, result)
-                    flops = train_flops(shape, computed)
-                    result["tokens_per_s"] = round(result["tokens_in_batch"] / result["step_s"])
-                    result["model_tflops_per_s"] = round(flops / result["step_s"] / 1e12, 2)
-                    result["params"] = parameter_count(shape)["total"]
-                    if peak:
-                        result["mfu"] = round(flops / result["step_s"] / peak, 4)
-                    if matmul:
-                        result["of_measured_matmul"] = round(
-                            flops / result["step_s"] / matmul, 4)
-                say(f"learner: {result}")
-                report.add(result)
+        for zero, checkpointing, attention in SETTINGS:
+            try:
+                result = run_setting(model_dir, shape, zero, checkpointing, samples,
+                                     micro, steps, profile_kernels=first,
+                                     attention=attention)
+            except Exception as exc:  # one setting failing (e.g. OOM) keeps the rest
+                result = {"shape": shape, "zero_stage": zero,
+                          "gradient_checkpointing": checkpointing, "attention": attention,
+                          "error": f"{type(exc).__name__}: {exc}"[:2000]}
+            else:
+                first = False
+                computed = _computed_lengths(samples, result)
+                flops = train_flops(shape, computed)
+                result["tokens_per_s"] = round(result["tokens_in_batch"] / result["step_s"])
+                result["model_tflops_per_s"] = round(flops / result["step_s"] / 1e12, 2)
+                result["params"] = parameter_count(shape)["total"]
+                if peak:
+                    result["mfu"] = round(flops / result["step_s"] / peak, 4)
+                if matmul:
+                    result["of_measured_matmul"] = round(
+                        flops / result["step_s"] / matmul, 4)
+            say(f"learner: {result}")
+            report.add(result)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,9 +26,10 @@ from common import device_facts, say, write_json  # noqa: E402
 HERE = Path(__file__).resolve().parent
 # (part, script, seconds on a GPU, seconds in --dry-run). Time a part does not use flows on to
 # the parts after it; each part is stopped when the time the later parts need would be gone.
-# On the H200 (2026-11-26) the parts took 95, ~50, 27, 35 and 150 s, the wheels 14 s to install.
+# On the H200 (2026-11-26) the parts took 95, ~50, 27, 35 and 150 s, the wheels 14 s to install;
+# the learner has since gained one setting per shape (SDPA beside FlexAttention).
 PARTS = [
-    ("learner", "learner_part.py", 115, 60),
+    ("learner", "learner_part.py", 140, 60),
     ("engine", "engine_part.py", 70, 30),
     ("weight_sync", "weight_sync_part.py", 40, 20),
     ("retriever", "retriever_part.py", 50, 30),
@@ -107,7 +108,8 @@ def headline_rows(part: dict) -> list[tuple[str, str]]:
                    if r.get("peak_memory_gib") else "")
             rows.append((f"learner {r['shape']} ZeRO {r['zero_stage']}"
                          f"{' (runs ' + str(r['zero_stage_run']) + ')' if r['zero_stage_run'] != r['zero_stage'] else ''}"
-                         f", checkpointing {'on' if r['gradient_checkpointing'] else 'off'}",
+                         f", checkpointing {'on' if r['gradient_checkpointing'] else 'off'}"
+                         f", attention {r.get('attn_implementation', '?')}",
                          f"step {r['step_s']:.3f}s, {r['tokens_per_s']:,} tokens/s, "
                          f"{r['model_tflops_per_s']} TFLOP/s{mfu}{mem}"))
         elif name == "engine":

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import torch
 
+from services.learner.attention import forward_kwargs
 from services.learner.packing import MicroBatch
 
 
 def forward_logits(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
-    """Logits (1, N, V) for a packed row: no attention mask, position ids restart per sequence,
-    which transformers turns into a block-diagonal causal mask; or, for shared prompts, the
-    row's own mask (packing.py)."""
+    """Logits (1, N, V) for a packed row: position ids restart per sequence, and what the
+    model's attention kernel needs to keep the sequences apart (attention.forward_kwargs; for
+    SDPA nothing on a plain row, transformers builds the block-diagonal mask from the position
+    ids, and a shared row's own mask, packing.py). The kernel is the one the model was loaded
+    with (its config's `_attn_implementation`)."""
+    config = getattr(model, "config", None) or model.module.config
     out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
-                **mb.mask_kwargs())
+                **forward_kwargs(config._attn_implementation, mb))
     return out.logits
 
 

@@ -4,18 +4,22 @@ Why packing: a batch of multi-turn trajectories has very uneven lengths, and pad
 the longest one can spend most of the compute on pad tokens. Here sequences are concatenated into
 one row per micro-batch with `position_ids` restarting at 0 for each sequence, and no attention
 mask, so no sequence sees another and no pad token is computed. Which kernel keeps them apart
-is chosen by `attention_implementation`:
+is chosen by `attention.choose_attention` (`learner.attention`, attention.py's doc):
   - flash-attn installed, a CUDA device and bf16/fp16 weights: transformers' `flash_attention_2`,
     called with the sequence boundaries (`MicroBatch.varlen_kwargs`: cu_seq_lens / max_length,
     the kwargs of transformers' DataCollatorWithFlattening that TRL's padding-free training
     uses), so attention runs in flash-attn's varlen kernel — no mask is ever built;
-  - otherwise (CPU, fp32, or no flash-attn): SDPA, for which transformers turns the position-id
-    restarts into a 4D block-diagonal causal mask (memory quadratic in the row length, which is
-    why CPU configs keep `learner.micro_batch_tokens` small).
-Both give every sequence exactly the log-probs it gets alone (tests/learner/test_gpu_settings.py
-checks the SDPA path; the flash path has not run on a GPU in this project, docs/learner.md).
+  - else, on CUDA with FlexAttention: transformers' `flex_attention` with a block-sparse mask
+    (from the position-id restarts, or for a shared row from `MicroBatch.kv_reach`), so tiles
+    across documents are skipped;
+  - otherwise (CPU, or neither): SDPA, for which transformers turns the position-id restarts
+    into a 4D block-diagonal causal mask (memory quadratic in the row length, which is why CPU
+    configs keep `learner.micro_batch_tokens` small).
+All give every sequence exactly the log-probs it gets alone (tests/learner/test_gpu_settings.py
+checks the SDPA path, test_attention.py flex against SDPA; the flash path has not run on a GPU
+in this project, docs/learner.md).
 
-Why shared prefixes (SDPA path, `learner.shared_prompts`): the n samples of a GRPO group repeat
+Why shared prefixes (SDPA and flex paths, `learner.shared_prompts`): the n samples of a GRPO group repeat
 one prompt, and every prompt of a task starts with the same instruction; on the search tasks
 that is most of each sequence (task (a) of bench/peer_trl.py: ~190 prompt tokens, ~13 answer
 tokens; the demo's SFT rows: 112 instruction tokens common to all, ~178 in all). A row computes
@@ -27,7 +31,8 @@ activations feed every branch below it, so their gradient is the sum over those 
 it is when each copy is computed separately), for a fraction of the tokens. Only tokens whose
 logits no loss reads are shared: a sequence's prompt less its last token (that token's logits
 predict the first response token, which differs per sample). An explicit boolean 4D mask says
-who attends to whom (`attention_mask`); position ids are each token's index in its sequence.
+who attends to whom (`attention_mask`, for SDPA); position ids are each token's index in its
+sequence. The same mask in O(N) form is `kv_reach` (FlexAttention's block mask is built from it).
 flash-attn's varlen kernel cannot express the mask, so the flash path never shares.
 
 Why a plan shared by all ranks: every rank must run the same number of forward/backward passes
@@ -219,28 +224,6 @@ def split_mini_batches(n_samples: int, mini_batch_size: int) -> list[list[int]]:
 
 # ------------------------------------------------------------------------------------- packing
 
-FLASH_ATTENTION = "flash_attention_2"
-SDPA = "sdpa"
-
-
-def attention_implementation(device_type: str, dtype: torch.dtype, flash_installed: bool) -> str:
-    """The transformers attention kernel for packed rows (see the module doc).
-
-    flash-attn runs only on CUDA and only in half precision, so fp32 training (bf16 off) uses
-    SDPA even where flash-attn is installed.
-    """
-    if device_type == "cuda" and flash_installed and dtype in (torch.bfloat16, torch.float16):
-        return FLASH_ATTENTION
-    return SDPA
-
-
-def flash_attn_installed() -> bool:
-    """flash-attn 2 importable and usable (transformers' own check: package and CUDA)."""
-    from transformers.utils import is_flash_attn_2_available
-
-    return bool(is_flash_attn_2_available())
-
-
 
 @dataclass
 class MicroBatch:
@@ -261,6 +244,11 @@ class MicroBatch:
     shared_lens: list[int] = field(default_factory=list)
     prefix_runs: list[list[tuple[int, int]]] = field(default_factory=list)
     attention_mask: torch.Tensor | None = None  # (1, 1, N, N) bool, True = may attend
+    # The same mask of a shared row in O(N) (None for a plain row): query q may attend to key
+    # k iff k <= q < kv_reach[k], where kv_reach[k] is the end of the last segment that sees
+    # k's segment. Exact because the tree is laid out depth first: a segment and everything
+    # that sees it are one contiguous run starting at the segment (_PrefixTree.kv_reach).
+    kv_reach: torch.Tensor | None = None  # (1, N) int32
 
     @property
     def is_shared(self) -> bool:
@@ -288,11 +276,15 @@ class MicroBatch:
             self.prefix_runs,
             None if self.attention_mask is None
             else self.attention_mask.to(device, non_blocking=True),
+            None if self.kv_reach is None else self.kv_reach.to(device, non_blocking=True),
         )
 
     def mask_kwargs(self) -> dict[str, torch.Tensor]:
-        """The forward's `attention_mask` for a row with shared prefixes; none otherwise
-        (position-id restarts keep plain rows apart)."""
+        """The forward's dense `attention_mask` (SDPA) for a row with shared prefixes; none
+        otherwise (position-id restarts keep plain rows apart)."""
+        if self.attention_mask is None and self.kv_reach is not None:
+            raise ValueError("this shared row was packed without its dense mask "
+                             "(pack(..., dense_mask=False) is for the flex path)")
         return {} if self.attention_mask is None else {"attention_mask": self.attention_mask}
 
     def _shared(self, row: int) -> int:
@@ -458,12 +450,15 @@ def pack(
     indices: Sequence[int],
     pad_token_id: int = 0,
     share_prompts: bool = False,
+    dense_mask: bool = True,
 ) -> MicroBatch:
     """Concatenate `samples[indices]` into one row; an empty index list gives a 1-token dummy.
 
     With `share_prompts`, prefixes the sequences have in common are computed once, as a tree
     with an explicit attention mask (module doc); the row's sequences are then in tree order
     (`sample_indices` says which is which). Without a common prefix the row is the plain one.
+    A shared row always carries `kv_reach`; its dense (N, N) `attention_mask` only with
+    `dense_mask` (SDPA needs it; the flex path does not, and at 16k tokens it is 256 MB).
     """
     if not indices:
         zero = torch.zeros(1, 1)
@@ -483,7 +478,7 @@ def pack(
         layout = _PrefixTree(samples)
         layout.place(list(indices), 0, [])
         if any(layout.shared_lens):
-            return layout.micro_batch()
+            return layout.micro_batch(dense_mask)
     return _pack_contiguous(samples, indices)
 
 
@@ -563,11 +558,9 @@ class _PrefixTree:
         for subtree in subtrees.values():
             self.place(subtree, end, above)
 
-    def micro_batch(self) -> MicroBatch:
-        def cat(values: list[np.ndarray]) -> torch.Tensor:
-            return torch.from_numpy(np.concatenate(values)).unsqueeze(0)
-
-        zeros = {id(s): np.zeros(len(s), np.float32) for s, _, _ in self.pieces}
+    def dense_mask(self) -> torch.Tensor:
+        """(1, 1, N, N) bool: each segment attends causally to itself and fully to the
+        segments above it (the reference form of the rule; SDPA takes it as it is)."""
         total = self.offset
         attention = torch.zeros(total, total, dtype=torch.bool)
         for start, n, above in self.blocks:
@@ -575,6 +568,26 @@ class _PrefixTree:
                 n, n, dtype=torch.bool).tril_()
             for begin, length in above:
                 attention[start : start + n, begin : begin + length] = True
+        return attention[None, None]
+
+    def kv_reach(self) -> torch.Tensor:
+        """(1, N) int32: per key token, the end of the last segment that attends to it (its own
+        segment, or one below it in the tree). Segments are written depth first, so those that
+        see a segment follow it as one run, and `k <= q < kv_reach[k]` is the dense mask's rule
+        (test_attention.py compares the two on many layouts)."""
+        reach = np.zeros(self.offset, dtype=np.int32)
+        for start, n, above in self.blocks:
+            end = start + n
+            reach[start:end] = np.maximum(reach[start:end], end)
+            for begin, length in above:
+                reach[begin : begin + length] = np.maximum(reach[begin : begin + length], end)
+        return torch.from_numpy(reach).unsqueeze(0)
+
+    def micro_batch(self, dense_mask: bool = True) -> MicroBatch:
+        def cat(values: list[np.ndarray]) -> torch.Tensor:
+            return torch.from_numpy(np.concatenate(values)).unsqueeze(0)
+
+        zeros = {id(s): np.zeros(len(s), np.float32) for s, _, _ in self.pieces}
         return MicroBatch(
             cat([s.input_ids[lo:hi] for s, lo, hi in self.pieces]),
             cat([np.arange(lo, hi, dtype=np.int64) for _, lo, hi in self.pieces]),
@@ -587,7 +600,8 @@ class _PrefixTree:
             self.order,
             shared_lens=self.shared_lens,
             prefix_runs=self.prefix_runs,
-            attention_mask=attention[None, None],
+            attention_mask=self.dense_mask() if dense_mask else None,
+            kv_reach=self.kv_reach(),
         )
 
 

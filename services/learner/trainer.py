@@ -23,15 +23,18 @@ import torch
 from services.common.config.learner import LearnerSection
 from services.common.paths import LOCAL_ONLY
 from services.learner import distributed as D
+from services.learner.attention import (
+    SDPA,
+    choose_attention,
+    flash_attn_installed,
+    flex_installed,
+    forward_kwargs,
+)
 from services.learner.engine import TrainEngine, param_dtype, use_bf16
 from services.learner.logprobs import token_entropy, token_logprobs, token_values
 from services.learner.packing import (
-    FLASH_ATTENTION,
-    SDPA,
     MicroBatch,
     Sample,
-    attention_implementation,
-    flash_attn_installed,
     pack,
     plan_micro_batches,
     plan_shared_rows,
@@ -110,15 +113,21 @@ class PolicyTrainer:
         steps = cfg.total_steps if total_steps is None else total_steps
         torch.manual_seed(cfg.seed)
         self.dtype = param_dtype(use_bf16(cfg.bf16, self.device))
-        self.attn_implementation = attention_implementation(
-            self.device.type, self.dtype, self.device.type == "cuda" and flash_attn_installed()
+        # The kernel for packed rows (attention.py): flash-attn varlen, FlexAttention block
+        # masks, or SDPA's dense mask; a named one this machine lacks fails here, before loading.
+        on_cuda = self.device.type == "cuda"
+        self.attention = choose_attention(
+            cfg.attention, self.device.type, self.dtype,
+            flash_installed=on_cuda and flash_attn_installed(),
+            flex_installed=flex_installed(self.device.type),
         )
+        self.attn_implementation = self.attention.implementation
         # One copy of each group's prompt per row (packing.py); flash-attn's varlen kernel
         # cannot take the mask that needs, so the flash path never shares.
-        self.share_prompts = cfg.shared_prompts and self.attn_implementation != FLASH_ATTENTION
-        log.info("policy in %s, attention %s, gradient checkpointing %s, shared prompts %s",
+        self.share_prompts = cfg.shared_prompts and self.attention.shares_prompts
+        log.info("policy in %s, attention %s (%s), gradient checkpointing %s, shared prompts %s",
                  str(self.dtype).removeprefix("torch."), self.attn_implementation,
-                 "on" if gradient_checkpointing else "off",
+                 self.attention.reason, "on" if gradient_checkpointing else "off",
                  "on" if self.share_prompts else "off")
         policy = load_causal_lm(model_path, self.device, self.dtype, self.attn_implementation,
                                 gradient_checkpointing)
@@ -183,7 +192,8 @@ class PolicyTrainer:
         return [[indices[j] for j in micro] for micro in plan[self.rank]]
 
     def _pack(self, samples: Sequence[Sample], micro: Sequence[int]) -> MicroBatch:
-        return pack(samples, micro, self.pad_token_id, self.share_prompts).to(self.device)
+        return pack(samples, micro, self.pad_token_id, self.share_prompts,
+                    dense_mask=self.attention.dense_mask).to(self.device)
 
     def _gather_field(
         self,
@@ -313,13 +323,11 @@ class PolicyTrainer:
         self._gather_field(samples, "values", compute)
 
     def _forward(self, model: Any, mb: MicroBatch) -> Any:
-        """One forward over a packed row, no KV cache: position ids restarting per sequence
-        and no mask, or the shared-prompt mask; on the flash path also the sequence boundaries
-        (packing.py)."""
-        extra = (mb.varlen_kwargs() if self.attn_implementation == FLASH_ATTENTION
-                 else mb.mask_kwargs())
+        """One forward over a packed row, no KV cache: position ids restarting per sequence,
+        plus what the kernel needs to keep sequences apart (attention.forward_kwargs: the
+        boundaries for flash-attn, a shared row's block mask for flex or dense mask for SDPA)."""
         return model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
-                     **extra)
+                     **forward_kwargs(self.attn_implementation, mb))
 
     def _autocast(self):
         if self.policy.bf16 and self.device.type == "cuda":

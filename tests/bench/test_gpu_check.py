@@ -51,8 +51,10 @@ def test_dry_run_writes_every_part_and_a_summary(tmp_path):
     for name, part in parts.items():
         assert part["ok"] and part["dry_run"] and part["results"], (name, part)
     learner = parts["learner"]["results"]
-    assert [(r["zero_stage"], r["gradient_checkpointing"]) for r in learner] == [
-        (0, False), (0, True), (2, False), (2, True)]
+    assert [(r["zero_stage"], r["gradient_checkpointing"], r["attention"]) for r in learner] == [
+        (0, False, "auto"), (0, False, "sdpa"), (0, True, "auto"), (2, False, "auto"),
+        (2, True, "auto")]
+    assert {r["attn_implementation"] for r in learner} == {"sdpa"}  # auto on a CPU
     for r in learner:
         assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["loss_finite"]
         assert r["tokens_computed"] < r["tokens_in_batch"]  # each group's prompt computed once

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from services.common.config.learner import LearnerSection
+from services.learner.attention import SDPA
 from services.learner.engine import (
     ds_config,
     effective_zero_stage,
@@ -18,12 +19,7 @@ from services.learner.engine import (
     plan_gather_groups,
     use_bf16,
 )
-from services.learner.packing import (
-    FLASH_ATTENTION,
-    SDPA,
-    attention_implementation,
-    pack,
-)
+from services.learner.packing import pack
 from services.learner.trainer import PolicyTrainer
 
 
@@ -132,15 +128,6 @@ def test_gradient_checkpointing_is_on_and_changes_no_loss_or_gradient(
 
 
 # ------------------------------------------------------------------ attention for packed rows
-
-
-def test_attention_implementation_for_packed_rows() -> None:
-    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
-    assert attention_implementation("cuda", bf16, flash_installed=True) == FLASH_ATTENTION
-    assert attention_implementation("cuda", fp16, flash_installed=True) == FLASH_ATTENTION
-    assert attention_implementation("cuda", fp32, flash_installed=True) == SDPA  # flash: fp16/bf16
-    assert attention_implementation("cuda", bf16, flash_installed=False) == SDPA
-    assert attention_implementation("cpu", bf16, flash_installed=True) == SDPA
 
 
 def test_varlen_kwargs_mark_the_sequence_boundaries(samples_factory) -> None:

@@ -60,6 +60,12 @@ class LearnerSection(Section):
     # by itself on the flash-attn path, whose varlen kernel cannot take the mask it needs
     # (docs/learner.md, "Shared prefixes").
     shared_prompts: bool = True
+    # The attention kernel for packed rows (services/learner/attention.py; docs/learner.md
+    # "GPU settings"): "flash" (flash-attn varlen: CUDA, bf16/fp16, the flash_attn package),
+    # "flex" (PyTorch FlexAttention block masks: CUDA), "sdpa" (a dense mask over the row:
+    # anywhere), or "auto", the first of those three that this machine can train with. A named
+    # kernel the machine cannot run stops the learner at start-up, saying why.
+    attention: Literal["auto", "flash", "flex", "sdpa"] = "auto"
     # Sequences per optimizer step inside one RL batch (0: the whole batch is one mini-batch),
     # and passes over the batch (PPO epochs).
     mini_batch_size: int = Field(default=0, ge=0)
