@@ -359,13 +359,48 @@ def render(directory: Path = K8S_ROOT) -> list[dict[str, Any]]:
     return kubectl_kustomize(directory) if kubectl() else render_kustomization(directory)
 
 
+# Custom resources the manifests use, validated against the schema their project publishes
+# (vendored under tests/deploy/schemas/, with where it came from).
+CRD_SCHEMAS = {("keda.sh/v1alpha1", "ScaledObject"): "keda-v2.20.2-scaledobject.json"}
+
+
+def strict_crd_schema(schema: Any) -> Any:
+    """A CRD's structural schema made strict, as kubernetes_validate's strict mode is: every
+    object that lists its properties and keeps no unknown fields refuses other keys (the API
+    server would silently prune them)."""
+    if isinstance(schema, list):
+        return [strict_crd_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: strict_crd_schema(value) for key, value in schema.items()}
+    if ("properties" in out and "additionalProperties" not in out
+            and not out.get("x-kubernetes-preserve-unknown-fields")):
+        out["additionalProperties"] = False
+    return out
+
+
+def crd_errors(obj: dict[str, Any]) -> list[str] | None:
+    """Strict validation of a custom resource against its vendored schema; None for a kind
+    that has none."""
+    name = CRD_SCHEMAS.get((obj.get("apiVersion"), obj.get("kind")))
+    if name is None:
+        return None
+    schema = json.loads((Path(__file__).with_name("schemas") / name).read_text())["schema"]
+    return schema_errors(obj, strict_crd_schema(schema))
+
+
 def k8s_errors(objects: list[dict[str, Any]], version: str = K8S_VERSION) -> list[str]:
-    """Strict Kubernetes schema validation (unknown fields are errors), one line per problem."""
+    """Strict Kubernetes schema validation (unknown fields are errors), one line per problem;
+    custom resources against their own project's schema (CRD_SCHEMAS)."""
     import kubernetes_validate
 
     errors = []
     for obj in objects:
         where = f"{obj.get('kind')}/{(obj.get('metadata') or {}).get('name')}"
+        custom = crd_errors(obj)
+        if custom is not None:
+            errors += [f"{where}: {error}" for error in custom]
+            continue
         try:
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as exc:

@@ -97,7 +97,7 @@ def test_compose_schema_rejects_a_malformed_copy(deploy, mutate, expected):
 def test_rendered_kubernetes_objects_validate_strictly(deploy, rendered, steps):
     kinds = {o["kind"] for o in rendered}
     assert {"ConfigMap", "PersistentVolumeClaim", "Deployment", "StatefulSet", "Service",
-            "HorizontalPodAutoscaler"} <= kinds
+            "ScaledObject"} <= kinds
     assert deploy.k8s_errors(rendered) == []
     for step, objects in steps.items():
         assert objects and deploy.k8s_errors(objects) == [], step
@@ -390,10 +390,12 @@ def test_dockerfile_targets_and_pinned_bases(deploy):
 
 
 def test_rollout_autoscaler_targets_the_rollout_deployment(deploy, rendered):
-    hpa = deploy.by_kind(rendered, "HorizontalPodAutoscaler")["forage-rollout"]
-    target = hpa["spec"]["scaleTargetRef"]
-    assert target["kind"] == "Deployment" and target["name"] in deploy.by_kind(rendered,
-                                                                              "Deployment")
+    # the default (KEDA) and the alternative (prometheus-adapter HPA) scale the same Deployment
+    scaled = deploy.by_kind(rendered, "ScaledObject")["forage-rollout"]
+    hpa = yaml.safe_load((deploy.K8S_ROOT / "deploy" / "k8s" / "rollout-hpa.yaml").read_text())
+    for target in (scaled["spec"]["scaleTargetRef"], hpa["spec"]["scaleTargetRef"]):
+        assert target.get("kind", "Deployment") == "Deployment"
+        assert target["name"] in deploy.by_kind(rendered, "Deployment")
     rollout = _container(deploy.by_kind(rendered, "Deployment")["forage-rollout"])
     assert rollout["resources"]["limits"]["nvidia.com/gpu"] == 1
 
