@@ -435,6 +435,14 @@ T = TypeVar("T")
 _S = TypeVar("_S", bound="StreamsBase")
 
 
+def group_last_delivered(infos: list[dict], group: str) -> str | None:
+    """`group`'s last-delivered-id in an XINFO GROUPS reply (None: no such group)."""
+    for info in infos:
+        if text(info["name"]) == group:
+            return text(info["last-delivered-id"])
+    return None
+
+
 class StreamsBase:
     """State and configuration shared by the sync and asyncio stream classes.
 
@@ -737,10 +745,7 @@ class RedisStreams(StreamsBase):
             infos = self._retry(f"xinfo {key}", read)
         except redis.ResponseError:
             return None
-        for info in infos:
-            if text(info["name"]) == group:
-                return text(info["last-delivered-id"])
-        return None
+        return group_last_delivered(infos, group)
 
     def has_entry(self, kind: str, entry_id: str) -> bool:
         """Whether the stream still holds the entry (a Redis that restarted empty lost it)."""

@@ -35,6 +35,7 @@ from services.common.streams import (
     default_group,
     full_message,
     group_backlog,
+    group_last_delivered,
     is_nogroup,
     lease_interval,
     new_messages,
@@ -278,6 +279,25 @@ class AsyncRedisStreams(StreamsBase):
 
         infos, xlen = await self._retry(f"xinfo {key}", read)
         return group_backlog(infos, group, xlen)[1]
+
+    async def last_delivered(self, kind: str, group: str | None = None) -> str | None:
+        """See RedisStreams.last_delivered."""
+        key, group = self.key(kind), default_group(kind, group)
+
+        async def read() -> list[dict]:
+            return await self.client.xinfo_groups(key) if await self.client.exists(key) else []
+
+        try:
+            infos = await self._retry(f"xinfo {key}", read)
+        except redis.ResponseError:
+            return None
+        return group_last_delivered(infos, group)
+
+    async def has_entry(self, kind: str, entry_id: str) -> bool:
+        """See RedisStreams.has_entry."""
+        key = self.key(kind)
+        return bool(await self._retry(f"xrange {key}", lambda: self.client.xrange(
+            key, min=entry_id, max=entry_id, count=1)))
 
     async def pending(self, kind: str, group: str | None = None) -> int:
         key, group = self.key(kind), default_group(kind, group)

@@ -46,8 +46,12 @@ def test_round_trip_reclaim_and_dead_letter(redis_url, namespace):
         await s.ensure_group("rollouts")
         ids = await s.publish_many("rollouts", [b"a", b"b", b"c"])
         assert await s.lag("rollouts") == 3
+        assert await s.last_delivered("rollouts") == "0-0"
         first = await s.consume("rollouts", "x", count=2, block_ms=50)
         assert [m.payload for m in first] == [b"a", b"b"] and [m.id for m in first] == ids[:2]
+        assert await s.last_delivered("rollouts") == ids[1]  # the group's clock source
+        assert await s.has_entry("rollouts", ids[2]) and not await s.has_entry("rollouts", "1-1")
+        assert await s.last_delivered("prompts") is None  # no such stream
         assert await s.ack("rollouts", [first[0].id]) == 1
         assert await s.pending("rollouts") == 1
         await asyncio.sleep(0.25)
