@@ -17,6 +17,15 @@ Why atomic: a learner killed while writing must leave the previous checkpoint us
 write into `.tmp-step_*`; once every file is written and fsynced, rank 0 renames the directory
 into place and only then moves `latest`, so `latest` always names a complete checkpoint.
 RNG state is JSON (not pickle): checkpoints may be copied between machines and read back.
+
+Several nodes: `checkpoint_dir` must be one shared directory (NFS, a cluster file system, a
+ReadWriteMany volume) at the same path on every node, not a directory per node. Every rank
+writes its own ZeRO shards into it, and resuming reads more than a rank's own: ZeRO-1/2 load
+every rank's optimizer shard (DeepSpeed re-partitions them), and rank 0 alone writes the HF
+policy, the trainer state and `latest`. `check_shared_dir` refuses, at start, a directory that
+is not the same on every rank; `agreed_checkpoint` makes every rank resume the checkpoint rank 0
+chose; and before the rename the first rank of each node fsyncs what its node wrote, so a
+checkpoint that `latest` names is on the server's disk, not in one client's cache.
 """
 
 from __future__ import annotations
@@ -25,7 +34,9 @@ import base64
 import json
 import os
 import random
+import secrets
 import shutil
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,8 +170,10 @@ def save_checkpoint(
                     shutil.copyfile(src, tmp / "policy" / name)
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state), default=float))
     D.barrier()
-    if rank == 0:
+    if D.local_rank() == 0:  # one rank per node: what this node wrote reaches the disk
         _fsync_tree(tmp)
+    D.barrier()
+    if rank == 0:
         if final.exists():  # a re-save of the same step replaces it
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -174,6 +187,86 @@ def save_checkpoint(
         _prune(root, keep)
     D.barrier()
     return final
+
+
+class SharedDirError(ValueError):
+    """The checkpoint directory is not one directory shared by every rank."""
+
+
+# How long a rank looks for rank 0's marker file: a network file system may show a new file to
+# another client only after its attribute cache expires (NFS: a few seconds by default).
+SHARED_CHECK_S = 10.0
+
+
+def check_shared_dir(checkpoint_dir: str | os.PathLike[str], key: str = "checkpoint_dir",
+                     wait_s: float = SHARED_CHECK_S) -> None:
+    """Refuse a checkpoint directory that is not the same directory on every rank (collective;
+    every rank must call; nothing to check with one rank).
+
+    Rank 0 writes a file with a fresh random name and content; every rank looks for it (for up
+    to `wait_s`, see SHARED_CHECK_S); if any rank does not see it, every rank raises
+    SharedDirError naming the directory. A directory per node would otherwise fail only when a
+    run resumes, or, worse, resume the nodes from different steps."""
+    if D.world_size() == 1:
+        return
+    root = Path(checkpoint_dir)
+    token, failure = (secrets.randbits(62) if D.rank() == 0 else 0), None
+    if D.rank() == 0:  # a fresh name: no client has a cached "no such file" for it
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            (root / f".shared-check-{token:016x}").write_text(str(token))
+        except OSError as exc:  # told to every rank below, so none waits for rank 0
+            failure, token = exc, -1
+    told = D.broadcast_indices(torch.tensor([token]) if D.rank() == 0 else None, 1)[0]
+    if failure is not None:
+        raise failure
+    if told < 0:
+        raise SharedDirError(f"rank 0 could not write to {key} {root} (its log says why)")
+    marker = root / f".shared-check-{told:016x}"
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            seen = marker.read_text().strip() == str(told)
+        except OSError:
+            seen = False
+        if seen or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    blind = int(D.all_reduce_sum(torch.tensor([0 if seen else 1], device=D.device())).item())
+    if D.rank() == 0:
+        marker.unlink(missing_ok=True)
+    if blind:
+        raise SharedDirError(
+            f"{key} {root} is not one directory shared by every node: {blind} of "
+            f"{D.world_size()} ranks do not see the file rank 0 wrote there. A learner on "
+            "several nodes needs it on a shared volume (NFS, a cluster file system, a "
+            "ReadWriteMany claim) mounted at the same path on every node")
+
+
+def agreed_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint as rank 0 sees it, on every rank (collective).
+
+    Each rank reading `latest` on its own could resume the ranks from different steps (a file
+    system that shows the new `latest` late to one node); rank 0 decides, and a rank that
+    cannot find that checkpoint raises SharedDirError rather than load another."""
+    root = Path(checkpoint_dir)
+    path = latest_checkpoint(root) if D.rank() == 0 else None
+    if D.world_size() == 1:
+        return path
+    step = -1
+    if path is not None:  # save_checkpoint names every directory step_dir_name(step)
+        digits = path.name.removeprefix("step_")
+        step = int(digits) if digits.isdigit() else -2
+    step = D.broadcast_indices(torch.tensor([step]) if D.rank() == 0 else None, 1)[0]
+    if step == -1:
+        return None
+    if step < 0:
+        raise SharedDirError(f"{root / LATEST} names a directory that is not step_NNNNNNNN")
+    path = root / step_dir_name(step)
+    if not (path / STATE_FILE).is_file():
+        raise SharedDirError(f"rank {D.rank()} cannot read {path}, the checkpoint rank 0 "
+                             "resumes: the checkpoint directory must be shared by every node")
+    return path
 
 
 def _prune(root: Path, keep: int) -> None:

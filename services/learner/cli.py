@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from services.common.cli_args import add_config_args, config_from_args
 
@@ -40,7 +41,7 @@ def _train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     setup_logging("learner", cfg.run_id, cfg.log_level)
     try:
-        return train(cfg, resume=args.resume)
+        return _ranks_lost_is_temporary("train", lambda: train(cfg, resume=args.resume))
     except ValueError as exc:  # config problems found at start-up (estimator, paths, data)
         print(f"forage learner train: error: {exc}", file=sys.stderr)
         return 2
@@ -53,4 +54,25 @@ def _sft(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     setup_logging("learner", cfg.run_id, cfg.log_level)
     out = args.out or f"{cfg.run_dir}/sft"
-    return run_sft(cfg, args.data, out, resume=args.resume)
+    return _ranks_lost_is_temporary("sft", lambda: run_sft(cfg, args.data, out,
+                                                          resume=args.resume))
+
+
+def _ranks_lost_is_temporary(command: str, run: Callable[[], int]) -> int:
+    """`run()`, ending with one line and exit 75 (EX_TEMPFAIL) when a collective failed
+    because other ranks are gone (a node lost, a rank killed).
+
+    Why not a traceback: on several nodes that is an expected failure, not a bug in Forage,
+    and one that a restart of every node with --resume repairs, so supervisors (Kubernetes,
+    `forage up`) should restart the learner, as they do for the other exit-75 failures."""
+    from services.common.cli_errors import TEMPORARY_FAILURE
+    from services.learner.distributed import lost_peer
+
+    try:
+        return run()
+    except Exception as exc:
+        message = lost_peer(exc)
+        if message is None:
+            raise
+        print(f"forage learner {command}: error: {message}", file=sys.stderr)
+        return TEMPORARY_FAILURE

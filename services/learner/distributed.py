@@ -3,6 +3,19 @@
 Why our own init: a single `forage learner sft` process has no launcher environment, yet
 DeepSpeed needs a process group; we make a 1-rank group on a free loopback port. Under a
 launcher (RANK / WORLD_SIZE set) we join its group. gloo on CPU, nccl on GPUs.
+
+Several nodes (torchrun `--nnodes N --rdzv-backend c10d`, docs/deploy.md "Multi-node
+learner"): RANK / WORLD_SIZE are global and LOCAL_RANK picks the device on this node, so
+nothing here depends on the node count. Two things do:
+- global rank 0 serves the weights, so it must run on the node the replicas dial. torchrun's
+  c10d rendezvous ignores `--node-rank` and numbers the nodes itself (by their `--local-addr`,
+  as strings); a deployment that knows which node should be first says so in FORAGE_NODE_RANK,
+  and `ensure_distributed` refuses a rendezvous that put rank 0 elsewhere, at start, rather
+  than serving weights from a node no replica dials;
+- a rank that dies takes its node's share of every collective with it, so the others fail in
+  their next one; `lost_peer` tells that failure apart from a bug, so the command ends with one
+  line and the retryable exit code (a restart with --resume continues from the last
+  checkpoint) instead of a traceback calling it a bug.
 """
 
 from __future__ import annotations
@@ -13,6 +26,8 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+
+NODE_RANK_ENV = "FORAGE_NODE_RANK"
 
 
 def _free_port() -> int:
@@ -33,6 +48,37 @@ def ensure_distributed() -> None:
         os.environ["LOCAL_RANK"] = "0"
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend=backend)
+    _check_driver_node()
+
+
+class NodePlacementError(ValueError):
+    """Global rank 0 (the weight server) runs on another node than the deployment named."""
+
+
+def driver_node_error(rank: int, node_rank: str | None) -> str | None:
+    """What is wrong when global rank `rank` runs on the node whose FORAGE_NODE_RANK is
+    `node_rank` (None: unset, nothing to check), or None when nothing is."""
+    if rank != 0 or node_rank is None or node_rank.strip() in ("", "0"):
+        return None
+    return (f"global rank 0 (the weight server) started on the node with {NODE_RANK_ENV}="
+            f"{node_rank.strip()}, not on node 0, which the replicas dial for weights. "
+            "torchrun's c10d rendezvous ignores --node-rank and orders the nodes by "
+            "--local-addr: give node 0 the address that sorts first (docs/deploy.md, "
+            "Multi-node learner)")
+
+
+def _check_driver_node() -> None:
+    """Every rank raises NodePlacementError when rank 0 landed on the wrong node (rank 0 alone
+    knows; one broadcast tells the rest, so no rank is left waiting for the others)."""
+    problem = driver_node_error(rank(), os.environ.get(NODE_RANK_ENV))
+    if world_size() > 1:
+        flag = torch.tensor([int(problem is not None)], dtype=torch.int64, device=device())
+        dist.broadcast(flag, 0)
+        if flag.item() and problem is None:
+            problem = (f"global rank 0 started on another node than {NODE_RANK_ENV}=0 "
+                       "(its log says which)")
+    if problem is not None:
+        raise NodePlacementError(problem)
 
 
 def rank() -> int:
@@ -45,6 +91,15 @@ def world_size() -> int:
 
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def leads_another_node() -> bool:
+    """Whether this process is the first rank of a node other than global rank 0's.
+
+    torchrun numbers ranks node by node, so global rank 0 is local rank 0 of its node and
+    every other local rank 0 is on another node: the one process there that answers for the
+    node (its /healthz, for the pod's probes)."""
+    return local_rank() == 0 and rank() != 0
 
 
 def device() -> torch.device:
@@ -104,3 +159,46 @@ def broadcast_indices(indices: torch.Tensor | None, length: int) -> list[int]:
 def barrier() -> None:
     if world_size() > 1:
         dist.barrier()
+
+
+# Words of the errors a collective raises when a peer is gone or unreachable (gloo: "Connection
+# closed by peer", "Connection reset by peer", "Broken pipe", "Timed out"; NCCL: its own name,
+# the watchdog's timeout, "remote process exited").
+_TRANSPORT_WORDS = ("peer", "connection", "broken pipe", "timed out", "timeout", "nccl",
+                    "socket", "remote process")
+
+
+def lost_peer(exc: BaseException) -> str | None:
+    """One line saying the other ranks were lost, when `exc` (or what it was raised from) is a
+    failure of a torch.distributed operation; None for anything else (a bug keeps its
+    traceback).
+
+    A failure of the transport: torch's DistError family (store, network, backend errors), or
+    a RuntimeError raised inside torch.distributed (gloo's `work.wait()` raises a plain one)
+    whose text is about the connection. A rank on a lost node fails this way in its next
+    collective, on whichever rank that is."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if _is_transport_failure(current):
+            first = str(current).strip().splitlines()[0] if str(current).strip() else ""
+            return (f"lost contact with the other ranks ({type(current).__name__}: "
+                    f"{first[:300]}): a rank or its node stopped or was lost. Restart every "
+                    "node with --resume to continue from the last complete checkpoint")
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _is_transport_failure(exc: BaseException) -> bool:
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    if not isinstance(exc, RuntimeError):
+        return False
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = tb.tb_frame.f_code.co_filename if tb is not None else ""
+    inside = f"{os.sep}torch{os.sep}distributed{os.sep}" in where
+    text = str(exc).lower()
+    return inside and any(word in text for word in _TRANSPORT_WORDS)

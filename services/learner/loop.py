@@ -23,6 +23,11 @@ published (on-policy).
 
 Ranks: rank 0 talks to Redis and serves weights; every other rank follows its commands (a
 broadcast int per collective operation), so ZeRO-3 gathers and gradient reductions stay in step.
+The same holds across nodes (torchrun --nnodes N, c10d rendezvous): rank 0 alone talks to Redis
+and serves weights, the checkpoint directory must be shared by every node (checked at start),
+and the first rank of every other node answers /healthz for its node. A lost node makes the
+others fail in their next collective: the run stops (exit 75, restartable) and resumes from the
+last complete checkpoint.
 Scored stream messages are acked as soon as the ledger holds them: a learner that dies loses only
 in-memory samples, and its checkpointed ledger re-issues every group that was in flight.
 """
@@ -37,7 +42,7 @@ import signal
 import time
 from collections import Counter, deque
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -61,7 +66,8 @@ from services.learner.algorithms.filters import filter_groups
 from services.learner.batch_stats import probe_metrics, trajectory_metrics
 from services.learner.checkpoint import (
     TrainerState,
-    latest_checkpoint,
+    agreed_checkpoint,
+    check_shared_dir,
     load_checkpoint,
     save_checkpoint,
     trim_metrics,
@@ -83,6 +89,9 @@ from services.learner.rl_batch import (
 )
 from services.learner.samples import SampleLog
 from services.learner.trackers import TrackerSet, check_trackers, open_trackers
+
+if TYPE_CHECKING:
+    from services.common.metrics import MetricsServer
 
 log = logging.getLogger("forage.learner.loop")
 
@@ -233,8 +242,9 @@ class LearnerLoop:
         self.kl_controller = opt.make_kl_controller() if opt.use_kl_in_reward else None
 
     def _restore(self) -> None:
-        """Load the last complete checkpoint (every rank), or start fresh."""
-        path = latest_checkpoint(self.ckpt_dir) if self.resume else None
+        """Load the last complete checkpoint (every rank, the one rank 0 names), or start
+        fresh."""
+        path = agreed_checkpoint(self.ckpt_dir) if self.resume else None
         if path is None:
             if self.resume:
                 log.info("no checkpoint under %s; starting fresh", self.ckpt_dir)
@@ -253,6 +263,7 @@ class LearnerLoop:
         from services.common.metrics import start_metrics_server
         from services.common.streams import RedisStreams
         from services.common.weight_sync import WeightSyncServer
+        from services.common.weight_sync.settings import server_kwargs
 
         cfg, learner = self.cfg, self.learner
         self.train_rows = load_dataset(cfg.data.train_files)
@@ -294,9 +305,9 @@ class LearnerLoop:
         previous = self._published_version()
         self.version = max(self.state.policy_version, previous, 0) + 1
         self.ledger.advance(max(self.ledger.current_version, self.version))
+        # Limits, relay fan-out and the token from learner.weight_sync_* (docs/weight_sync.md).
         self.server = WeightSyncServer(
-            learner.host, learner.weight_sync_port, token=learner.weight_sync_token,
-            chunk_bytes=learner.weight_sync_chunk_bytes,
+            learner.host, learner.weight_sync_port, **server_kwargs(learner),
         ).start()
         self.metrics_server = start_metrics_server(learner.metrics_port, host=learner.host,
                                                    healthy=lambda: not self.stopping)
@@ -324,12 +335,14 @@ class LearnerLoop:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         self._build_trainer()  # joins the process group (torchrun / deepspeed launcher)
         self.rank = D.rank()
+        check_shared_dir(self.ckpt_dir, "learner.checkpoint_dir")  # one directory, all nodes
         self._restore()
         if self.rank != 0:
             return self._follow()
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         self._start_driver()
+        peers_lost = False
         try:
             self._publish_weights()
             done = set(self.state.data_cursor.get("evals_done", []))
@@ -351,9 +364,18 @@ class LearnerLoop:
                 self._save()
             log.info("stopped at step %d; accounting %s", self.state.step,
                      json.dumps(self.ledger.accounting()))
+        except Exception as exc:
+            peers_lost = D.lost_peer(exc) is not None
+            if peers_lost:  # no STOP for them: a collective with a lost rank fails or hangs
+                log.error("lost contact with the other ranks at step %d; the last complete "
+                          "checkpoint is step %d", self.state.step, self.last_saved_step)
+            raise
         finally:
-            _broadcast_command(CMD_STOP)
-            self._shutdown()
+            try:
+                if not peers_lost:
+                    _broadcast_command(CMD_STOP)
+            finally:  # the weight server, trackers and streams close whatever happened
+                self._shutdown()
         return 0
 
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -374,8 +396,32 @@ class LearnerLoop:
         if self.streams is not None:
             self.streams.close()
 
+    def _node_health(self) -> MetricsServer | None:
+        """On the first rank of a node without rank 0: /healthz for the node (and an empty
+        /metrics) on learner.metrics_port, so the node's pod passes the probes every learner
+        pod has. Its metrics stay empty: the run's numbers are rank 0's alone, and a node
+        exporting zeros beside them would pull dashboards down. None on other ranks."""
+        if not D.leads_another_node():
+            return None
+        from prometheus_client import CollectorRegistry
+
+        from services.common.metrics import MetricsServer
+
+        server = MetricsServer(self.learner.metrics_port, host=self.learner.host,
+                               registry=CollectorRegistry()).start()
+        log.info("rank %d: this node's /healthz on port %d", self.rank, server.port)
+        return server
+
     def _follow(self) -> int:
         """Ranks > 0: run the collective half of each command rank 0 announces."""
+        health = self._node_health()
+        try:
+            return self._follow_commands()
+        finally:
+            if health is not None:
+                health.stop()
+
+    def _follow_commands(self) -> int:
         while True:
             command, arg = _broadcast_command()
             if command == CMD_STOP:

@@ -143,6 +143,8 @@ def run_sft(cfg: RunConfig, data: str, out_dir: str, resume: bool = False) -> in
     from services.learner import distributed as D
     from services.learner.checkpoint import (
         TrainerState,
+        agreed_checkpoint,
+        check_shared_dir,
         latest_checkpoint,
         load_checkpoint,
         save_checkpoint,
@@ -173,8 +175,9 @@ def run_sft(cfg: RunConfig, data: str, out_dir: str, resume: bool = False) -> in
     )
     state = TrainerState()
     metrics_path = out / "sft_metrics.jsonl"
+    check_shared_dir(ckpt_dir, "the SFT checkpoint directory")  # one directory on all nodes
     if resume:
-        path = latest_checkpoint(ckpt_dir)
+        path = agreed_checkpoint(ckpt_dir)  # rank 0's choice on every rank
         if path is not None:
             state = load_checkpoint(trainer, path)
             log.info("resumed from %s at step %d", path, state.step)
@@ -249,7 +252,9 @@ def run_sft(cfg: RunConfig, data: str, out_dir: str, resume: bool = False) -> in
         tmp = out / "sft_result.json.tmp"
         tmp.write_text(json.dumps(result, indent=1) + "\n")
         os.replace(tmp, out / "sft_result.json")
-    if saved_at != state.step or latest_checkpoint(ckpt_dir) is None:
+    # Decided by rank 0 for every rank: the save is collective, and a rank that decided alone
+    # on a file system that shows it another `latest` would leave the others waiting in it.
+    if saved_at != state.step or agreed_checkpoint(ckpt_dir) is None:
         save_checkpoint(trainer, ckpt_dir, state, tokenizer_from=cfg.model.path,
                         keep=learner.keep_checkpoints)
     final = latest_checkpoint(ckpt_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.common.paths import require_model_dir, require_tokenizer_dir
+from services.rollout.vllm_lora import lora_engine_kwargs
 from services.rollout.vllm_worker import EXTENSION_CLASS
 
 # EngineArgs fields Forage sets from its own keys; `rollout.vllm_engine_args` may not override
@@ -13,15 +14,19 @@ MANAGED_VLLM_ARGS = frozenset({
     "model", "tokenizer", "seed", "dtype", "max_num_seqs", "gpu_memory_utilization",
     "tensor_parallel_size", "enforce_eager", "enable_prefix_caching", "max_model_len",
     "worker_extension_cls", "logprobs_mode",
+    # from learner.lora with `publish: adapter` (services/rollout/vllm_lora.py)
+    "enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras",
 })
 
 
-def vllm_engine_kwargs(rollout: Any, model: Any) -> dict[str, Any]:
+def vllm_engine_kwargs(rollout: Any, model: Any, lora: Any = None) -> dict[str, Any]:
     """The vLLM `EngineArgs(**kwargs)` for a config's `rollout` and `model` sections.
 
     A pure function (no vLLM import), so the mapping from Forage's keys to vLLM's is tested on
     machines without a GPU. `max_batch_size` becomes `max_num_seqs` (one batch-size key for
-    every engine); `max_model_len` 0 means the model's own limit (vLLM's None).
+    every engine); `max_model_len` 0 means the model's own limit (vLLM's None). `lora` is
+    `learner.lora`: when replicas receive adapters (`publish: adapter`), vLLM's LoRA support
+    is switched on with room for the adapter's rank (vllm_lora.lora_engine_kwargs).
     """
     if not model.path:
         raise ValueError("model.path is not set: the rollout engine needs a model directory")
@@ -45,6 +50,7 @@ def vllm_engine_kwargs(rollout: Any, model: Any) -> dict[str, Any]:
         # Log-probs of the distribution actually sampled from (as the transformers engine).
         logprobs_mode="processed_logprobs",
     )
+    kwargs.update(lora_engine_kwargs(lora))
     kwargs.update(rollout.vllm_engine_args)
     return kwargs
 
@@ -59,7 +65,8 @@ def make_engine(config: Any) -> Any:
     if rollout.engine == "vllm":
         from services.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine.from_engine_kwargs(vllm_engine_kwargs(rollout, model))
+        return VLLMEngine.from_engine_kwargs(
+            vllm_engine_kwargs(rollout, model, config.learner.lora))
     from services.rollout.transformers_engine import TransformersEngine
 
     return TransformersEngine.from_pretrained(

@@ -23,6 +23,12 @@ requests and outputs, and drives weight updates:
 - After a failed batch the rollout worker calls `abort_all`, which aborts the live requests in
   vLLM (their KV blocks are freed at once) instead of generating them to completion only to
   discard the answers.
+- LoRA adapters (`learner.lora.publish: adapter`) go through vLLM's own LoRA support, not the
+  worker extension: the replica fetches the adapter (a few MB) itself, published.py checks the
+  base model's fingerprint, `load_adapter` writes it as a peft directory and registers it with
+  `add_lora(LoRARequest(name, id, path))`; new requests carry `lora_request=` for it, and an
+  old adapter is removed once no live request uses it (services/rollout/vllm_lora.py). Only a
+  str, an int and a path cross the engine RPC for it.
 
 With `logprobs_mode="processed_logprobs"` the reported log-probs are those of the distribution
 that was sampled from (temperature/top-k/top-p applied), like the transformers engine's.
@@ -45,6 +51,11 @@ from services.rollout.engine import (
     GenerationRequest,
     run_to_completion,
 )
+from services.rollout.vllm_lora import (
+    AdapterSlot,
+    AdapterVersions,
+    lora_request_kwargs,
+)
 from services.rollout.vllm_worker import COMMIT_METHOD, DROP_METHOD, STAGE_METHOD
 
 log = logging.getLogger("forage.rollout.vllm")
@@ -62,8 +73,12 @@ class RpcCall(NamedTuple):
     args: tuple
 
 
-def stage_call(version: int, address: str, token: str | None) -> RpcCall:
-    return RpcCall(STAGE_METHOD, (int(version), str(address), str(token or "")))
+def stage_call(version: int, address: str, token: str | None,
+               plan: Mapping[str, Any] | None = None) -> RpcCall:
+    """`plan`: relay settings and the tensor-parallel share socket (vllm_worker.py), plain
+    values only; left out when there is none, so the call is what it was before relays."""
+    args: tuple[Any, ...] = (int(version), str(address), str(token or ""))
+    return RpcCall(STAGE_METHOD, args + ((dict(plan),) if plan else ()))
 
 
 def commit_call(version: int) -> RpcCall:
@@ -201,6 +216,8 @@ def error_output(request: GenerationRequest, message: str, version: int) -> Gene
 class _Live:
     request: GenerationRequest
     version_start: int
+    # the LoRA adapter version it runs with (None: none); it keeps that adapter to the end
+    adapter: int | None = None
 
 
 @dataclass(eq=False)
@@ -212,9 +229,12 @@ class VLLMEngine:
     prefix_caching: bool = True
     forced_tokens: ForcedTokens | None = None
     tokens_generated: int = 0
+    # LoRA adapters (engine started with enable_lora); None: full-weight updates only
+    lora: AdapterVersions | None = None
     _live: dict[str, _Live] = field(default_factory=dict)
     _failed: list[GenerationOutput] = field(default_factory=list)
     _next_id: int = 0
+    _lora_requests: dict[int, Any] = field(default_factory=dict)
 
     @classmethod
     def from_engine_kwargs(cls, engine_kwargs: dict[str, Any]) -> VLLMEngine:
@@ -222,14 +242,18 @@ class VLLMEngine:
         from vllm import EngineArgs, LLMEngine
 
         llm_engine = LLMEngine.from_engine_args(EngineArgs(**engine_kwargs))
+        lora = (AdapterVersions(max_rank=int(engine_kwargs["max_lora_rank"]))
+                if engine_kwargs.get("enable_lora") else None)
         return cls(llm_engine, llm_engine.get_tokenizer(), int(engine_kwargs["max_num_seqs"]),
-                   prefix_caching=bool(engine_kwargs.get("enable_prefix_caching", True)))
+                   prefix_caching=bool(engine_kwargs.get("enable_prefix_caching", True)),
+                   lora=lora)
 
     @classmethod
     def from_pretrained(cls, path: str, tokenizer_path: str | None = None,
-                        max_batch_size: int = 256, seed: int = 0,
+                        max_batch_size: int = 256, seed: int = 0, lora: Any = None,
                         **rollout_keys: Any) -> VLLMEngine:
-        """Python use and tests: the EngineArgs a config with these `rollout.*` keys gives."""
+        """Python use and tests: the EngineArgs a config with these `rollout.*` keys (and
+        `learner.lora` settings, for adapters) gives."""
         from services.common.config.model import ModelSection
         from services.common.config.rollout import RolloutSection
         from services.rollout.engines import vllm_engine_kwargs
@@ -237,7 +261,7 @@ class VLLMEngine:
         rollout = RolloutSection(engine="vllm", max_batch_size=max_batch_size, seed=seed,
                                  **rollout_keys)
         model = ModelSection(path=str(path), tokenizer_path=tokenizer_path)
-        return cls.from_engine_kwargs(vllm_engine_kwargs(rollout, model))
+        return cls.from_engine_kwargs(vllm_engine_kwargs(rollout, model, lora))
 
     # ------------------------------------------------------------------ requests
 
@@ -249,18 +273,22 @@ class VLLMEngine:
             self._next_id += 1
         key = f"r{request.request_id}-{self._next_id}"
         self._next_id += 1
+        adapter = self.lora.current if self.lora is not None else None
         try:
-            self._submit(key, request)
+            self._submit(key, request,
+                         self._lora_request(adapter) if adapter is not None else None)
         except Exception as exc:  # noqa: BLE001 - vLLM validates inputs by raising (ValueError...)
             log.warning("vLLM rejected request %s: %s", key, exc)
             self._failed.append(error_output(
                 request, f"vLLM rejected the request: {type(exc).__name__}: {exc}",
                 self.policy_version))
             return
-        self._live[key] = _Live(request, self.policy_version)
+        self._live[key] = _Live(request, self.policy_version,
+                                adapter.version if adapter is not None else None)
 
-    def _submit(self, key: str, request: GenerationRequest) -> None:
-        """Hand one request to vLLM (the only place that builds vLLM's request types)."""
+    def _submit(self, key: str, request: GenerationRequest, lora_request: Any = None) -> None:
+        """Hand one request to vLLM (the only place that builds vLLM's request types);
+        `lora_request`: the adapter it runs with (`_lora_request`), or None."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -277,7 +305,7 @@ class VLLMEngine:
             logprobs=0,  # the sampled token's own log-prob only
         )  # vLLM detokenizes by default: stop strings are matched on the text
         self.llm_engine.add_request(key, TokensPrompt(prompt_token_ids=list(request.prompt_ids)),
-                                    params)
+                                    params, lora_request=lora_request)
 
     def step(self) -> list[GenerationOutput]:
         finished, self._failed = self._failed, []
@@ -296,10 +324,18 @@ class VLLMEngine:
             finished.append(GenerationOutput(
                 request=live.request, token_ids=mapped.token_ids, logprobs=mapped.logprobs,
                 finish=mapped.cause, stop_string=mapped.stop_string,
-                version_start=live.version_start, version_end=self.policy_version,
+                version_start=live.version_start, version_end=self._version_end(live),
                 extra={"error": mapped.error} if mapped.error else {},
             ))
+        if finished:
+            self._remove_retired_adapters()
         return finished
+
+    def _version_end(self, live: _Live) -> int:
+        """The newest version whose weights produced a request's tokens. A full-weight update
+        reaches running requests; with LoRA a request keeps the adapter it started with (an
+        adapter update never changes running requests), so it ends on its own version."""
+        return live.version_start if self.lora is not None else self.policy_version
 
     def has_unfinished(self) -> bool:
         return bool(self._failed) or bool(self._live)
@@ -319,6 +355,7 @@ class VLLMEngine:
         dropped = [live.request for live in self._live.values()]
         self._live.clear()
         self._failed.clear()
+        self._remove_retired_adapters()
         return dropped
 
     def num_running(self) -> int:
@@ -337,20 +374,88 @@ class VLLMEngine:
             "the vLLM engine does not take tensors: its workers fetch weights themselves "
             "(use pull_weights(version, address, token))")
 
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def load_adapter(self, adapter: dict[str, Any], scale: float, version: int) -> None:
+        """Serve a LoRA adapter (peft's tensor names) as `version` through vLLM's LoRA support.
+
+        Called by published.load_published once the adapter's base fingerprint matched this
+        replica's model. The adapter becomes a peft directory, vLLM loads it in every worker
+        (`add_lora`), and only then do new requests get it; running requests finish on the
+        adapter they started with. Raises ValueError, with the old adapter serving on, when
+        the engine was started without LoRA, the adapter is malformed or too large a rank, or
+        vLLM refuses it.
+        """
+        if self.lora is None:
+            raise ValueError("this vLLM engine was started without LoRA (enable_lora); the "
+                             "replica's config needs learner.lora.rank > 0 and "
+                             "learner.lora.publish: adapter, as the learner's")
+        slot = self.lora.prepare(version, adapter, scale)
+        try:
+            added = self.llm_engine.add_lora(self._lora_request(slot))
+        except Exception as exc:  # noqa: BLE001 - vLLM's MP client raises bare Exception
+            added, problem = False, f"{type(exc).__name__}: {exc}"
+        else:
+            problem = "vLLM answered False"
+        if not added:
+            self._drop_lora(slot)
+            raise ValueError(f"vLLM did not load adapter v{slot.version}: {problem}")
+        self.lora.activate(slot)
+        self.policy_version = slot.version
+        self._remove_retired_adapters()
+
+    def _lora_request(self, slot: AdapterSlot) -> Any:
+        """vLLM's `LoRARequest` for `slot`, built once per adapter (the only vLLM type the LoRA
+        path builds; its fields are plain: vllm_lora.lora_request_kwargs)."""
+        request = self._lora_requests.get(slot.version)
+        if request is None:
+            from vllm.lora.request import LoRARequest
+
+            request = self._lora_requests[slot.version] = LoRARequest(
+                **lora_request_kwargs(slot))
+        return request
+
+    def _drop_lora(self, slot: AdapterSlot) -> None:
+        """Remove `slot` from vLLM (best effort) and forget it and its directory."""
+        try:
+            self.llm_engine.remove_lora(slot.lora_int_id)  # False: not (or no longer) loaded
+        except Exception as exc:  # noqa: BLE001 - nothing uses it; log and go on
+            log.warning("removing adapter v%d from vLLM failed: %s", slot.version, exc)
+        self._lora_requests.pop(slot.version, None)
+        assert self.lora is not None
+        self.lora.forget(slot)
+
+    def _remove_retired_adapters(self) -> None:
+        """Remove every adapter that is neither the newest nor used by a live request."""
+        if self.lora is None or len(self.lora.registered) < 2:
+            return
+        for slot in self.lora.retired(live.adapter for live in self._live.values()):
+            self._drop_lora(slot)
+            log.info("removed adapter v%d (no request uses it)", slot.version)
+
     def _rpc(self, call: RpcCall) -> list[Any]:
         return self.llm_engine.collective_rpc(call.method, args=call.args)
 
-    def pull_weights(self, version: int, address: str, token: str | None = None) -> int:
-        """Have every vLLM worker fetch `version` from the weight server and load it.
+    def pull_weights(self, version: int, address: str, token: str | None = None,
+                     plan: Mapping[str, Any] | None = None) -> int:
+        """Have every vLLM worker fetch `version` from the weight server and load it (with
+        `plan`, rank 0 fetches through relays and the other ranks read from it: vllm_worker.py).
 
         Raises WeightSyncError (old weights keep serving) when any rank could not fetch and
-        verify it; RuntimeError when ranks failed to load staged weights or the prefix cache
+        verify it; ValueError, before any worker is asked, when this engine serves LoRA
+        adapters; RuntimeError when ranks failed to load staged weights or the prefix cache
         could not be reset (the replica must not go on serving a half-updated model).
         """
         from services.common.weight_sync import WeightSyncError
 
         version = int(version)
-        staged = self._rpc(stage_call(version, address, token))
+        if self.lora is not None:
+            # Adapters apply to the base vLLM loaded; new full weights under them would leave
+            # running requests on a base their adapter was not trained on.
+            raise ValueError(f"v{version} is full weights, but this vLLM engine serves LoRA "
+                             "adapters (learner.lora.publish: adapter): keeping the current "
+                             "weights")
+        staged = self._rpc(stage_call(version, address, token, plan))
         failures = rank_failures(staged)
         if failures:
             self._rpc(drop_call())

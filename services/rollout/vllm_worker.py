@@ -16,6 +16,16 @@ An update is two-phase so that all ranks switch together or none does:
 Every method takes and returns plain values only (str, int, bool, None, dicts of those), so
 the calls pass vLLM's msgpack serializer without pickling.
 
+LoRA adapters do not come this way: the engine process registers them with vLLM's own
+`add_lora`, whose loader already runs in every worker (vllm_engine.py, vllm_lora.py). A worker
+asked to stage an adapter version refuses it.
+
+Tensor parallelism: the ranks of one replica fetch each version once, not once per rank. With
+a `share` socket in the stage call's plan, rank 0 fetches (through relays when the plan says
+so: docs/weight_sync.md "Relays") and serves what it receives on that Unix socket as it
+arrives; the other ranks read from it at the same time (a rank that cannot falls back to the
+learner). Every rank still verifies every chunk and the whole stream's checksum.
+
 `WorkerWeightLoader` is the part that is not vLLM: fetch, stage, hand (name, tensor) pairs to
 a `load_weights(weights=...)` callable and report. `ForageWorkerExtension` is the thin glue
 vLLM mixes into its worker class (`worker_extension_cls`); vLLM requires that none of its
@@ -26,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +47,10 @@ EXTENSION_CLASS = "services.rollout.vllm_worker.ForageWorkerExtension"
 STAGE_METHOD = "forage_stage_weights"
 COMMIT_METHOD = "forage_commit_weights"
 DROP_METHOD = "forage_drop_staged_weights"
+
+# How long a tensor-parallel rank waits for rank 0 to start serving a version before it
+# fetches from the learner itself (plan key "share_wait_s").
+SHARE_WAIT_S = 20.0
 
 # vLLM's model method: load_weights(weights: Iterable[tuple[str, Tensor]]) -> set[str] | None
 LoadWeights = Callable[..., Any]
@@ -60,23 +75,79 @@ class WorkerWeightLoader:
         self.rank = rank
         self.fetch_timeout_s = fetch_timeout_s
         self._client: Any = None
-        self._client_key: tuple[str, str] | None = None
+        self._client_key: tuple[Any, ...] | None = None
+        self._relay: Any = None  # rank 0: serves the other ranks (and replicas, with relays)
+        self._relay_key: tuple[Any, ...] | None = None
+        self._share: Any = None  # ranks > 0: the client reading rank 0's relay
+        self._share_key: tuple[str, str] | None = None
         self._staged: tuple[int, dict[str, Any]] | None = None
 
-    def _client_for(self, address: str, token: str) -> Any:
-        from services.common.weight_sync import WeightSyncClient
+    def _client_for(self, address: str, token: str, plan: dict[str, Any] | None = None) -> Any:
+        from services.common.weight_sync.settings import replica_client
 
-        key = (address, token)
+        plan = plan or {}
+        relay = self._relay_for(plan, token)
+        key = (address, token, bool(plan.get("relays")), id(relay))
         if self._client is None or self._client_key != key:
             if self._client is not None:
                 self._client.close()
-            self._client = WeightSyncClient(address, token=token or None,
-                                            fetch_timeout_s=self.fetch_timeout_s)
+            self._client = replica_client(address, token, plan, relay,
+                                          fetch_timeout_s=self.fetch_timeout_s)
             self._client_key = key
         return self._client
 
-    def stage(self, version: int, address: str, token: str = "") -> dict[str, Any]:
-        """Fetch exactly `version` (every rank must load the same one) into a staging copy."""
+    def _relay_for(self, plan: dict[str, Any], token: str) -> Any:
+        """Rank 0's relay for `plan`: on the plan's Unix socket for the other ranks, and on TCP
+        for other replicas when relays are on; kept between updates while the plan is the
+        same (the previous version is served until the next one begins)."""
+        from services.common.weight_sync.settings import start_relay
+
+        share = str(plan.get("share") or "")
+        key = (bool(plan.get("relays")), plan.get("host"), plan.get("port"),
+               plan.get("advertise"), share, token)
+        if self._relay is not None and self._relay_key != key:
+            self._relay.stop()
+            self._relay = None
+        if self._relay is None and (plan.get("relays") or share):
+            self._relay = start_relay(plan, token, share)
+            self._relay_key = key
+        return self._relay
+
+    def _fetch(self, version: int, address: str, token: str,
+               plan: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, str]]:
+        from services.common.weight_sync import WeightSyncClient, WeightSyncError
+
+        share = str(plan.get("share") or "")
+        if share and self.rank not in (None, 0):
+            if self._share is None or self._share_key != (share, token):
+                if self._share is not None:
+                    self._share.close()
+                self._share = WeightSyncClient(share, token=token or None,
+                                               fetch_timeout_s=self.fetch_timeout_s)
+                self._share_key = (share, token)
+            # Every rank gets the stage call at once: rank 0 may not have bound its socket or
+            # begun the version yet. Wait for that (not for a relay that failed: then the
+            # learner), up to share_wait_s.
+            deadline = time.monotonic() + float(plan.get("share_wait_s", SHARE_WAIT_S))
+            while True:
+                try:
+                    return self._share.fetch_with_metadata(version)
+                except WeightSyncError as exc:
+                    early = exc.reason in ("unavailable", "not_held") and "relay_" not in str(exc)
+                    if early and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                        continue
+                    log.warning("rank %s: reading v%d from rank 0 (%s) failed (%s); fetching "
+                                "it from the learner", self.rank, version, share, exc)
+                    break
+            return self._client_for(address, token).fetch_with_metadata(version)
+        return self._client_for(address, token, plan).fetch_with_metadata(version)
+
+    def stage(self, version: int, address: str, token: str = "",
+              plan: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Fetch exactly `version` (every rank must load the same one) into a staging copy.
+        `plan` (settings.relay_plan, plain values, plus "share": rank 0's Unix socket) says
+        whether to fetch through relays and how the replica's ranks share one fetch."""
         from services.common.weight_sync import WeightSyncError
 
         self._staged = None
@@ -85,7 +156,7 @@ class WorkerWeightLoader:
             return _result(False, version, self.rank, "manifest",
                            f"version must be positive, got {version}")
         try:
-            got, tensors, meta = self._client_for(address, token).fetch_with_metadata(version)
+            got, tensors, meta = self._fetch(version, address, token, dict(plan or {}))
         except WeightSyncError as exc:
             return _result(False, version, self.rank, exc.reason, str(exc))
         except Exception as exc:  # noqa: BLE001 - reported to the engine, never raised across RPC
@@ -93,11 +164,11 @@ class WorkerWeightLoader:
         if got != version:  # fetch(version) guarantees this; checked because ranks must agree
             return _result(False, version, self.rank, "superseded",
                            f"asked for version {version}, got {got}")
-        if meta.get("kind"):  # a LoRA adapter: vLLM's LoRA path is not wired yet
+        if meta.get("kind"):  # an adapter is no state dict: load_weights must never see it
             return _result(False, version, self.rank, "manifest",
-                           f"version {version} is a {meta['kind']} adapter, which the vLLM "
-                           "engine cannot apply yet; publish merged weights "
-                           "(learner.lora.publish: merged)")
+                           f"version {version} is a {meta['kind']} adapter, not full weights; "
+                           "adapters go through vLLM's LoRA support "
+                           "(VLLMEngine.load_adapter), never through the workers")
         self._staged = (got, tensors)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         return _result(True, got, self.rank, tensors=len(tensors), nbytes=nbytes)
@@ -126,6 +197,12 @@ class WorkerWeightLoader:
         if self._client is not None:
             self._client.close()
             self._client = None
+        if self._share is not None:
+            self._share.close()
+            self._share = None
+        if self._relay is not None:
+            self._relay.stop()
+            self._relay = None
 
 
 class ForageWorkerExtension:
@@ -142,8 +219,9 @@ class ForageWorkerExtension:
             self._forage_weight_loader = loader
         return loader
 
-    def forage_stage_weights(self, version: int, address: str, token: str = "") -> dict[str, Any]:
-        result = self._forage_loader().stage(version, address, token)
+    def forage_stage_weights(self, version: int, address: str, token: str = "",
+                             plan: dict[str, Any] | None = None) -> dict[str, Any]:
+        result = self._forage_loader().stage(version, address, token, plan)
         if not result["ok"]:
             log.warning("rank %s: staging weights v%s failed: %s", result["rank"], version,
                         result["error"])

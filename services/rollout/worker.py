@@ -77,6 +77,15 @@ def _published(manifest: Any) -> bool:
     return bool(tensors)
 
 
+def _is_adapter(manifest: Any) -> bool:
+    """Whether a GetVersion manifest announces a LoRA adapter (services/common/lora.py)."""
+    from services.common.lora import KIND
+
+    metadata = manifest.get("metadata") if isinstance(manifest, dict) else getattr(
+        manifest, "metadata", None)
+    return dict(metadata or {}).get("kind") == KIND
+
+
 class RolloutWorker:
     def __init__(self, config: Any, engine: Any | None = None) -> None:
         self.config = config
@@ -98,6 +107,8 @@ class RolloutWorker:
         )
         self.stopping = False
         self._weights = None
+        self._relay = None  # this replica's weight relay (transformers engine), once started
+        self._share_path = ""  # vLLM with tensor parallelism: rank 0's socket for the others
         self._last_poll = 0.0
         self._last_beat = 0.0
         self._busy = 0
@@ -143,6 +154,8 @@ class RolloutWorker:
             self._redis.delete(self._beat_key())
             server.stop()
             self.loop.close()
+            if self._relay is not None:  # children reading from it go on elsewhere
+                self._relay.stop()
         log.info("replica %s stopped", self.name)
         return 0
 
@@ -344,15 +357,45 @@ class RolloutWorker:
     # ------------------------------------------------------------------ weights
 
     def _client(self) -> Any:
+        """The replica's weight-sync client. With an engine that fetches in its own workers
+        (vLLM) it only asks for versions (and small adapters): plain. Otherwise it fetches the
+        weights itself, through relays, and relays them on (rollout.weight_relay)."""
         if self._weights is None:
             from services.common.weight_sync import WeightSyncClient
+            from services.common.weight_sync.settings import (
+                relay_plan,
+                replica_client,
+                start_relay,
+            )
 
             learner = self.config.learner
-            self._weights = WeightSyncClient(
-                f"{learner.weight_sync_host}:{learner.weight_sync_port}",
-                token=learner.weight_sync_token,
-            )
+            address = f"{learner.weight_sync_host}:{learner.weight_sync_port}"
+            if hasattr(self.engine, "pull_weights"):
+                self._weights = WeightSyncClient(address, token=learner.weight_sync_token)
+            else:
+                plan = relay_plan(self.config.rollout)
+                self._relay = start_relay(plan, learner.weight_sync_token)
+                self._weights = replica_client(address, learner.weight_sync_token, plan,
+                                               self._relay)
         return self._weights
+
+    def _pull_plan(self) -> dict[str, Any]:
+        """What a vLLM engine's workers need to fetch like this replica would (plain values:
+        they cross vLLM's RPC): the relay settings, and with tensor parallelism the Unix
+        socket on which rank 0 serves the other ranks what it receives, so the replica
+        fetches each version once rather than once per rank."""
+        from services.common.weight_sync.settings import relay_plan
+
+        plan = relay_plan(self.config.rollout)
+        if self.config.rollout.tensor_parallel_size > 1:
+            if not self._share_path:
+                import tempfile
+                import uuid
+
+                self._share_path = (f"unix:{tempfile.gettempdir()}/forage-weights-"
+                                    f"{uuid.uuid4().hex[:12]}.sock")
+            plan["share"] = self._share_path
+        return plan
 
     def _wait_for_first_weights(self) -> None:
         deadline = time.monotonic() + self.config.rollout.weight_wait_s
@@ -392,16 +435,20 @@ class RolloutWorker:
             if version <= self.engine.policy_version and not first:
                 return False
             started = time.perf_counter()
-            if hasattr(self.engine, "pull_weights"):
-                # vLLM: each engine worker fetches this version itself (nothing crosses the
-                # engine's RPC but the version, the address and the token).
+            pulls = hasattr(self.engine, "pull_weights")
+            if pulls and not _is_adapter(manifest):
+                # vLLM, full weights: each engine worker fetches this version itself (nothing
+                # crosses the engine's RPC but the version, the address and the token).
                 learner = self.config.learner
                 version = self.engine.pull_weights(
                     version, f"{learner.weight_sync_host}:{learner.weight_sync_port}",
-                    learner.weight_sync_token)
+                    learner.weight_sync_token, plan=self._pull_plan())
             else:
-                # the newest consistent version: full weights, or a LoRA adapter to apply
-                version, tensors, meta = self._client().fetch_with_metadata()
+                # Fetched here: full weights or an adapter for the transformers engine (the
+                # newest consistent version), or exactly this adapter for vLLM, which a few MB
+                # make cheap and which vLLM loads from a directory (VLLMEngine.load_adapter).
+                version, tensors, meta = self._client().fetch_with_metadata(
+                    version if pulls else None)
                 self._load(version, tensors, meta)
         except (WeightSyncError, ValueError) as exc:
             metrics.WEIGHT_SYNC_FAILURES.inc()

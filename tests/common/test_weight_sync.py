@@ -129,8 +129,8 @@ def test_expected_shapes_and_dtypes_are_checked(server):
 class CorruptingServer(WeightSyncServer):
     """Flips one payload byte of the fifth message on the wire."""
 
-    def _encode_chunks(self, snapshot):
-        for i, message in enumerate(super()._encode_chunks(snapshot)):
+    def _encode_chunks(self, snapshot, *args):
+        for i, message in enumerate(super()._encode_chunks(snapshot, *args)):
             if i == 4:
                 message = bytearray(message)
                 message[-10] ^= 0x01
@@ -141,16 +141,16 @@ class CorruptingServer(WeightSyncServer):
 class TruncatingServer(WeightSyncServer):
     """Ends the stream cleanly two messages early (no final chunk)."""
 
-    def _encode_chunks(self, snapshot):
-        messages = list(super()._encode_chunks(snapshot))
+    def _encode_chunks(self, snapshot, *args):
+        messages = list(super()._encode_chunks(snapshot, *args))
         yield from messages[:-2]
 
 
 class GappyServer(WeightSyncServer):
     """Skips one data chunk in the middle."""
 
-    def _encode_chunks(self, snapshot):
-        for i, message in enumerate(super()._encode_chunks(snapshot)):
+    def _encode_chunks(self, snapshot, *args):
+        for i, message in enumerate(super()._encode_chunks(snapshot, *args)):
             if i != 3:
                 yield message
 
@@ -295,8 +295,8 @@ def test_auth_token_required_when_configured():
 class RepublishingServer(WeightSyncServer):
     """Publishes v2 (once) while a v1 stream is on its third message."""
 
-    def _encode_chunks(self, snapshot):
-        for i, message in enumerate(super()._encode_chunks(snapshot)):
+    def _encode_chunks(self, snapshot, *args):
+        for i, message in enumerate(super()._encode_chunks(snapshot, *args)):
             yield message
             if i == 2 and snapshot.version == 1:
                 self.publish(version_dict(2), 2)

@@ -5,8 +5,9 @@
   `entrypoint` and `healthcheck.test` are replaced, other lists are appended, volumes are unique
   by target), then the compose-spec JSON schema (vendored by check-jsonschema).
 - Kustomize: `kubectl kustomize` where kubectl is installed; otherwise `render_kustomization`,
-  which implements the subset these manifests use (resources, namespace, configMapGenerator with
-  kustomize's name hash and name references). The tests check both agree where kubectl exists.
+  which implements the subset these manifests use (resources, components, JSON 6902 patches,
+  namespace, configMapGenerator with kustomize's name hash and name references). The tests
+  check both agree where kubectl exists.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ K8S_STEPS = {
     "index": REPO / "deploy" / "k8s" / "index",
     "run": K8S_ROOT,
 }
+# Opt-in variants of the run: kustomize Components that the root kustomization.yaml lists
+# under `components:` when the user enables them (docs/deploy.md); `root_with_components`.
+K8S_COMPONENTS = {"multinode-learner": "deploy/k8s/multinode-learner"}
 GPU = "nvidia.com/gpu"
 K8S_VERSION = "1.32.0"
 
@@ -259,6 +263,9 @@ def render_kustomization(directory: Path, _root: Path | None = None) -> list[dic
             if not path.is_relative_to(directory.resolve()):
                 raise ValueError(f"{entry}: file outside the kustomization directory")
             objects.extend(_load_docs(path))
+    for entry in spec.get("components", []):
+        objects.extend(_component_resources((directory / entry).resolve()))
+        _apply_component_patches(objects, (directory / entry).resolve())
     for entry in spec.get("patches", []):
         _apply_patch(objects, entry, directory)
     renamed: dict[str, str] = {}
@@ -288,6 +295,48 @@ def render_kustomization(directory: Path, _root: Path | None = None) -> list[dic
                 if cm and cm.get("name") in renamed:
                     cm["name"] = renamed[cm["name"]]
     return objects
+
+
+def _component_spec(directory: Path) -> dict[str, Any]:
+    spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    if spec.get("kind") != "Component":
+        raise ValueError(f"{directory}: listed under components but not a kustomize Component")
+    unknown = set(spec) - {"apiVersion", "kind", "resources", "patches"}
+    if unknown:
+        raise ValueError(f"{directory}: Component fields not supported here: {sorted(unknown)}")
+    return spec
+
+
+def _component_resources(directory: Path) -> list[dict[str, Any]]:
+    """The objects a Component adds (its own files); kustomize accumulates them after the
+    parent's resources and before the parent's generators and patches."""
+    objects: list[dict[str, Any]] = []
+    for entry in _component_spec(directory).get("resources", []):
+        path = (directory / entry).resolve()
+        if not path.is_file() or not path.is_relative_to(directory):
+            raise ValueError(f"{entry}: only files inside the Component are supported here")
+        objects.extend(_load_docs(path))
+    return objects
+
+
+def _apply_component_patches(objects: list[dict[str, Any]], directory: Path) -> None:
+    """A Component's patches act on everything accumulated so far: the parent's objects too."""
+    for entry in _component_spec(directory).get("patches", []):
+        _apply_patch(objects, entry, directory)
+
+
+def root_with_components(components: list[str], workdir: Path) -> Path:
+    """A copy of the run's kustomization root (kustomization.yaml, configs/, deploy/k8s/) under
+    `workdir` whose kustomization.yaml lists `components` (paths relative to the root), as
+    docs/deploy.md tells the user to enable them; the repository's own file stays as shipped.
+    `render` of the returned directory is what `kubectl apply -k .` then creates."""
+    root = workdir / "repo"
+    shutil.copytree(REPO / "configs", root / "configs")
+    shutil.copytree(REPO / "deploy" / "k8s", root / "deploy" / "k8s")
+    spec = yaml.safe_load((K8S_ROOT / "kustomization.yaml").read_text())
+    spec["components"] = list(components)
+    (root / "kustomization.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    return root
 
 
 def _apply_patch(objects: list[dict[str, Any]], entry: dict[str, Any], directory: Path) -> None:

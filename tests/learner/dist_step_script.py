@@ -1,5 +1,6 @@
-"""Run by test_multirank.py under torchrun: one SFT step and one RL step on each of three
-fixed batches, one after the other; rank 0 writes the resulting weights and metrics to OUT.
+"""Run by test_multirank.py (and test_multinode.py, one rank on each of two torchrun "nodes")
+under torchrun: one SFT step and one RL step on each of three fixed batches, one after the
+other; rank 0 writes the resulting weights and metrics to OUT.
 
 The batches: `mixed` (7 sequences, no shared prompts), `single` (one sequence: rank 1 has only
 a dummy pass, so no loss metrics of its own) and `group` (one GRPO group of 4 with one prompt,

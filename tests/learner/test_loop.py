@@ -16,7 +16,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -73,14 +75,20 @@ def start_learner(config: Path, log: Path, *extra: str) -> subprocess.Popen:
                             stdout=log.open("a"), stderr=subprocess.STDOUT)
 
 
-def start_torchrun(config: Path, log: Path, ranks: int = 2) -> subprocess.Popen:
-    """`forage learner train` under a real torchrun with `ranks` CPU ranks."""
+def start_torchrun(config: Path, log: Path, ranks: int = 2, *extra: str,
+                   launch: Sequence[str] = ("--standalone",), env: dict[str, str] | None = None,
+                   **popen: Any) -> subprocess.Popen:
+    """`forage learner train` (and `extra` arguments, e.g. --resume) under a real torchrun with
+    `ranks` CPU ranks. `launch`: torchrun's rendezvous arguments (one standalone node, or one
+    node of several: test_multinode.py); `env`: variables added; `popen`: Popen options."""
     torchrun = Path(sys.executable).with_name("torchrun")
     env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.Popen([str(torchrun), "--standalone", f"--nproc_per_node={ranks}", "-m",
-                             "services.cli", "learner", "train", "--config", str(config)],
-                            cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               **(env or {}))
+    return subprocess.Popen([str(torchrun), *launch, f"--nproc_per_node={ranks}", "-m",
+                             "services.cli", "learner", "train", "--config", str(config), *extra],
+                            cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            **popen)
 
 
 def trajectory(group: PromptGroup, index: int, version: int, *, error: bool = False) -> Trajectory:

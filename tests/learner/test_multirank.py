@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -19,22 +20,36 @@ EXPORT_SCRIPT = Path(__file__).with_name("dist_export_script.py")
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
-def _run(policy: Path, out: Path, nproc: int, zero_stage: int) -> tuple[dict, dict]:
+def step_command(policy: Path, out: Path, nproc: int, zero_stage: int,
+                 launch: Sequence[str] = ("--standalone",)) -> list[str]:
+    """torchrun running SCRIPT with `nproc` ranks (per node, with a multi-node `launch`)."""
+    return [str(TORCHRUN), *launch, f"--nproc_per_node={nproc}", str(SCRIPT), str(policy),
+            str(out), str(zero_stage)]
+
+
+def step_env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path.cwd()))
+
+
+def step_results(out: Path) -> tuple[dict, dict]:
+    """The weights and metrics SCRIPT's rank 0 wrote to `out`."""
     from safetensors.torch import load_file
 
-    out.mkdir(parents=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path.cwd()))
-    cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", str(SCRIPT),
-           str(policy), str(out), str(zero_stage)]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stderr[-4000:]
     return load_file(str(out / "weights.safetensors")), json.loads((out / "metrics.json").read_text())
 
 
-@pytest.mark.slow
-def test_two_ranks_equal_one_rank(tiny_policy, tmp_path) -> None:
-    one, m1 = _run(tiny_policy, tmp_path / "one", 1, 0)
-    two, m2 = _run(tiny_policy, tmp_path / "two", 2, 2)  # and ZeRO-2 shards the optimizer
+def _run(policy: Path, out: Path, nproc: int, zero_stage: int) -> tuple[dict, dict]:
+    out.mkdir(parents=True)
+    result = subprocess.run(step_command(policy, out, nproc, zero_stage), env=step_env(),
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return step_results(out)
+
+
+def assert_same_updates(one: dict, m1: dict, two: dict, m2: dict) -> None:
+    """Two ranks' run (`two`, `m2`) made the updates of the one-rank run (`one`, `m1`): the
+    same losses, gradient norms and weights up to reduction order, and the tokens each
+    computed (the group's prompt once per rank with shared prompts)."""
     for case in ("mixed", "single", "group"):
         a, b = m1[case], m2[case]
         assert a["sft"]["loss"] == pytest.approx(b["sft"]["loss"], rel=1e-5), case
@@ -50,6 +65,13 @@ def test_two_ranks_equal_one_rank(tiny_policy, tmp_path) -> None:
         assert torch.allclose(value, two[name], atol=2e-5, rtol=1e-4), name
         initial = value
     assert initial is not None
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_rank(tiny_policy, tmp_path) -> None:
+    one, m1 = _run(tiny_policy, tmp_path / "one", 1, 0)
+    two, m2 = _run(tiny_policy, tmp_path / "two", 2, 2)  # and ZeRO-2 shards the optimizer
+    assert_same_updates(one, m1, two, m2)
 
 
 def test_only_rank_0_copies_the_export(tiny_policy, tmp_path) -> None:

@@ -163,7 +163,7 @@ class RejectingVLLMEngine(VLLMEngine):
 
     max_model_len = 16
 
-    def _submit(self, key, request):
+    def _submit(self, key, request, lora_request=None):
         if len(request.prompt_ids) > self.max_model_len:
             raise ValueError(f"The decoder prompt (length {len(request.prompt_ids)}) is longer "
                              f"than the maximum model length of {self.max_model_len}.")
@@ -246,7 +246,7 @@ class DecodingLLMEngine:
 class StandInVLLMEngine(VLLMEngine):
     """`_submit` hands the stand-in what it needs in place of vLLM's request types."""
 
-    def _submit(self, key, request):
+    def _submit(self, key, request, lora_request=None):
         self.llm_engine.add_request(key, list(request.prompt_ids), request.params.max_tokens)
 
 

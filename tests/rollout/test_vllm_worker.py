@@ -105,8 +105,8 @@ def server():
 class CorruptingServer(WeightSyncServer):
     """A real server whose fifth message has one payload byte flipped on the wire."""
 
-    def _encode_chunks(self, snapshot):
-        for i, message in enumerate(super()._encode_chunks(snapshot)):
+    def _encode_chunks(self, snapshot, *args):
+        for i, message in enumerate(super()._encode_chunks(snapshot, *args)):
             if i == 4:
                 message = bytearray(message)
                 message[-10] ^= 0x01

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from services.common.config.base import Section
 
@@ -21,7 +21,8 @@ class LoraSettings(Section):
     target_modules: str | list[str] = "all-linear"
     # What replicas receive each step: "merged" full weights (any engine), or "adapter": the
     # adapter tensors alone with the base model's fingerprint, applied by the transformers
-    # engine onto its own copy of the base (the vLLM engine refuses it for now).
+    # engine onto its own copy of the base, and by the vLLM engine through vLLM's LoRA
+    # support (enable_lora; services/rollout/vllm_lora.py).
     publish: Literal["merged", "adapter"] = "merged"
 
     @property
@@ -46,6 +47,16 @@ class LearnerSection(Section):
     weight_sync_port: int = Field(default=50051, ge=0, le=65535)
     weight_sync_token: str | None = None
     weight_sync_chunk_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    # Concurrent Fetch streams the weight server takes (null: 14) and per client address (null:
+    # half of max_fetches); more are answered "busy" and retried (docs/weight_sync.md).
+    weight_sync_max_fetches: int | None = Field(default=None, ge=1)
+    weight_sync_max_fetches_per_peer: int | None = Field(default=None, ge=1)
+    # Relay fan-out (docs/weight_sync.md "Relays"): "auto" sends each replica to one that already
+    # receives the version, so the learner streams about one copy per version whatever the
+    # number of replicas; "off": every replica pulls from the learner. Fanout: children one
+    # relay feeds at once (1: a pipelined chain, each uplink carries one copy).
+    weight_sync_relay: Literal["auto", "off"] = "auto"
+    weight_sync_relay_fanout: int = Field(default=1, ge=1)
     metrics_port: int = Field(default=0, ge=0, le=65535)
     seed: int = 0
     # Free-form estimator / loss options passed through to services.learner.algorithms.
@@ -169,6 +180,12 @@ class LearnerSection(Section):
         used = min(examples, self.sft_max_rows or examples)
         epochs = math.ceil(used / self.sft_batch_size) * self.sft_epochs
         return min(epochs, self.sft_max_steps or epochs)
+
+    @field_validator("weight_sync_relay", mode="before")
+    @classmethod
+    def _relay_switch(cls, value: Any) -> Any:
+        """YAML reads a bare `off` as false (and `on` as true): take them as the words."""
+        return ("auto" if value else "off") if isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _one_warmup(self) -> LearnerSection:

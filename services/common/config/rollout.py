@@ -51,6 +51,16 @@ class RolloutSection(Section):
     groups_per_batch: int = Field(default=0, ge=0)
     # Pull weights from the learner's WeightSync (off for tests without a learner).
     weight_sync: bool = True
+    # Serve the weights this replica receives to other replicas while they arrive, and fetch
+    # from the one the learner names (docs/weight_sync.md "Relays"); "off": pull from the
+    # learner and serve nothing. Bind host ("": rollout.host), port (0: any free one), the host
+    # other replicas dial ("": this host's name, resolved: the pod's or container's IP), and how
+    # long a held version stays served without readers (its host-memory copy is then freed).
+    weight_relay: Literal["auto", "off"] = "auto"
+    weight_relay_host: str = ""
+    weight_relay_port: int = Field(default=0, ge=0, le=65535)
+    weight_relay_advertise: str = ""
+    weight_relay_hold_s: float = Field(default=300.0, gt=0)
     # How long a starting replica waits for the learner's first weights before giving up.
     weight_wait_s: float = Field(default=600.0, gt=0)
     heartbeat_ttl_s: float = Field(default=15.0, gt=0)
@@ -71,6 +81,12 @@ class RolloutSection(Section):
     # Any other vLLM EngineArgs field, passed through as given (e.g. max_num_batched_tokens,
     # kv_cache_dtype); the keys above and the ones Forage sets itself cannot be overridden here.
     vllm_engine_args: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("weight_relay", mode="before")
+    @classmethod
+    def _relay_switch(cls, value: Any) -> Any:
+        """YAML reads a bare `off` as false (and `on` as true): take them as the words."""
+        return ("auto" if value else "off") if isinstance(value, bool) else value
 
     @field_validator("max_batch_size", mode="before")
     @classmethod

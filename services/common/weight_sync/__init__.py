@@ -2,7 +2,8 @@
 
 Server (learner): `WeightSyncServer(...).start()`, `.publish(state_dict, version)` or
 `.publish_lazy(provider, version)`. Client (replica): `WeightSyncClient(address).fetch()`,
-or `WeightFollower` to poll and swap. Redis notice: `notify_new_version` / `VersionListener`.
+or `WeightFollower` to poll and swap; with `relays=True, relay=WeightRelay(...).start()` it
+fetches from the replica the learner names and relays what it receives (fan-out). Redis notice: `notify_new_version` / `VersionListener`.
 See docs/weight_sync.md.
 """
 
@@ -14,12 +15,14 @@ from services.common.weight_sync.notify import (
     version_channel,
     version_key,
 )
+from services.common.weight_sync.relay import WeightRelay
 from services.common.weight_sync.server import WeightSyncServer
 from services.common.weight_sync.wire import WeightSyncError
 
 __all__ = [
     "VersionListener",
     "WeightFollower",
+    "WeightRelay",
     "WeightSyncClient",
     "WeightSyncError",
     "WeightSyncServer",

@@ -24,6 +24,12 @@ first is copied, hashed and streamed, and the manifest lists the second as its a
 for every fetch (a ZeRO-3 learner can gather bucket by bucket, a checkpoint can be read from
 disk). The stream's checksum is computed while streaming and sent in the last chunk; when the
 provider's bytes change between publish and fetch the client sees a checksum mismatch.
+
+Relay fan-out (docs/weight_sync.md "Relays"): the manifest also carries each chunk's digest,
+`Locate` tells a receiver where to fetch from (fanout.py: the learner, or a replica that holds
+or is receiving the version), and a Fetch may resume at a chunk boundary (`offset`), so a
+receiver whose source died goes on from another one. A replica's relay is this same server
+serving a growing `RelayBuffer` (relay.py, `serve_buffer`) instead of a published snapshot.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ from prometheus_client import Counter, Gauge
 from services.common.proto_gen.forage import weight_sync_pb2 as pb
 from services.common.weight_sync import wire
 from services.common.weight_sync.aliases import AliasFinder
+from services.common.weight_sync.fanout import FanoutPlan
+from services.common.weight_sync.relay import RelayBuffer, RelayUnavailable
 
 log = logging.getLogger("forage.weight_sync")
 
@@ -73,9 +81,10 @@ def _cpu_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
 class _Snapshot:
     manifest: pb.Manifest
     manifest_bytes: bytes
-    # eager: the serialized data chunks; lazy: None and a provider
+    # eager: the serialized data chunks; lazy: None and a provider; relay: None and a buffer
     messages: list[bytes] | None
     provider: Provider | None = None
+    relay: RelayBuffer | None = None
     retired: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -123,7 +132,18 @@ class WeightSyncServer:
         max_fetches: int | None = None,
         max_fetches_per_peer: int | None = None,
         stall_timeout_s: float = 20.0,
+        relay: bool = True,
+        relay_fanout: int = 1,
+        coordinate: bool = True,
+        pace: Callable[[int], None] | None = None,
+        listen: bool = True,
+        extra_ports: Sequence[str] = (),
     ) -> None:
+        """`relay`/`relay_fanout`: how `Locate` assigns sources (fanout.py; `relay=False`
+        sends every receiver to this server, the direct pull). `coordinate=False` serves no
+        `Locate` at all (a replica's relay). `pace(nbytes)` is called before each message is
+        sent and may sleep (a rate cap; the fan-out bench emulates a NIC with it).
+        `listen=False` binds no TCP port, only `extra_ports` (e.g. "unix:/tmp/x.sock")."""
         if chunk_bytes < 1:
             raise ValueError("chunk_bytes must be positive")
         if max_workers < 2:
@@ -139,6 +159,8 @@ class WeightSyncServer:
         # first message and must fit the same limit (checked at publish).
         self.max_message_bytes = chunk_bytes + (1 << 20)
         self._lock = threading.Lock()
+        # notified whenever what is served changes (a relay's child may wait for its version)
+        self._changed = threading.Condition(self._lock)
         self._current: _Snapshot | None = None
         self._last_version = 0
         # Each Fetch holds a worker thread for its whole stream: cap them below max_workers so
@@ -146,6 +168,12 @@ class WeightSyncServer:
         self.max_fetches = min(max_fetches or max(1, max_workers - 2), max_workers - 1)
         self.max_fetches_per_peer = max_fetches_per_peer or max(1, self.max_fetches // 2)
         self.stall_timeout_s = stall_timeout_s
+        self.fanout = FanoutPlan(relay_fanout, enabled=relay)
+        self._coordinate = coordinate
+        self._pace = pace
+        # Bytes of serialized chunks this server streamed (all fetches, this instance only).
+        self.bytes_sent = 0
+        self._sent_lock = threading.Lock()
         self._streams: dict[int, _Stream] = {}
         self._streams_lock = threading.Lock()
         self._stopping = threading.Event()
@@ -164,22 +192,32 @@ class WeightSyncServer:
             interceptors=interceptors,
             maximum_concurrent_rpcs=max_workers * 4,
         )
+        handlers = {
+            "GetVersion": grpc.unary_unary_rpc_method_handler(
+                self._get_version,
+                request_deserializer=pb.GetVersionRequest.FromString,
+                response_serializer=pb.VersionInfo.SerializeToString,
+            ),
+            # Chunks are already serialized by wire.encode_chunk: no serializer.
+            "Fetch": grpc.unary_stream_rpc_method_handler(
+                self._fetch, request_deserializer=pb.FetchRequest.FromString,
+            ),
+        }
+        if coordinate:
+            handlers["Locate"] = grpc.unary_unary_rpc_method_handler(
+                self._locate, request_deserializer=pb.LocateRequest.FromString,
+                response_serializer=pb.LocateReply.SerializeToString,
+            )
         self._server.add_generic_rpc_handlers([
-            grpc.method_handlers_generic_handler(wire.SERVICE, {
-                "GetVersion": grpc.unary_unary_rpc_method_handler(
-                    self._get_version,
-                    request_deserializer=pb.GetVersionRequest.FromString,
-                    response_serializer=pb.VersionInfo.SerializeToString,
-                ),
-                # Chunks are already serialized by wire.encode_chunk: no serializer.
-                "Fetch": grpc.unary_stream_rpc_method_handler(
-                    self._fetch, request_deserializer=pb.FetchRequest.FromString,
-                ),
-            })
-        ])
-        self.port = self._server.add_insecure_port(f"{host}:{port}")
-        if self.port == 0:
-            raise OSError(f"weight sync server cannot bind {host}:{port}")
+            grpc.method_handlers_generic_handler(wire.SERVICE, handlers)])
+        self.port = 0
+        if listen:
+            self.port = self._server.add_insecure_port(f"{host}:{port}")
+            if self.port == 0:
+                raise OSError(f"weight sync server cannot bind {host}:{port}")
+        for extra in extra_ports:
+            if self._server.add_insecure_port(extra) == 0:
+                raise OSError(f"weight sync server cannot bind {extra}")
 
     @property
     def address(self) -> str:
@@ -239,7 +277,7 @@ class WeightSyncServer:
     def _publish(self, state_dict: TensorSource, version: int,
                  metadata: Mapping[str, str] | None = None) -> pb.Manifest:
         hasher = wire.new_hasher(self.checksum_algo)
-        packer = wire.ChunkPacker(version, self.chunk_bytes)
+        packer = wire.ChunkPacker(version, self.chunk_bytes, self.checksum_algo)
         specs: list[pb.TensorSpec] = []
         sent: dict[str, pb.TensorSpec] = {}
         aliases = AliasFinder()
@@ -256,8 +294,10 @@ class WeightSyncServer:
             specs.append(spec)
             sent[name] = spec
             offset += spec.nbytes
-        manifest = self._manifest(version, specs, offset, hasher.hexdigest(), metadata)
-        self._install(_Snapshot(manifest, self._manifest_bytes(manifest), packer.finish()))
+        messages = packer.finish()
+        manifest = self._manifest(version, specs, offset, hasher.hexdigest(), metadata,
+                                  b"".join(packer.digests))
+        self._install(_Snapshot(manifest, self._manifest_bytes(manifest), messages))
         return manifest
 
     def publish_lazy(
@@ -284,13 +324,26 @@ class WeightSyncServer:
         layout: list[pb.TensorSpec] = []
         offset = 0
         checksum = ""
+        digests: list[bytes] = []
         if specs is None:
             hasher = wire.new_hasher(self.checksum_algo)
-            for name, tensor in provider():
-                cpu, data = _cpu_bytes(tensor)
-                layout.append(wire.spec_of(name, cpu, offset))
-                hasher.update(data)
-                offset += len(data)
+            tensors: list[tuple[pb.TensorSpec, memoryview]] = []
+
+            def walk() -> Iterator[tuple[pb.TensorSpec, memoryview]]:
+                nonlocal offset
+                for name, tensor in provider():
+                    cpu, data = _cpu_bytes(tensor)
+                    spec = wire.spec_of(name, cpu, offset)
+                    layout.append(spec)
+                    offset += len(data)
+                    tensors.append((spec, data))  # alive until its chunk is hashed
+                    yield spec, data
+
+            for _, pieces, _, _ in wire.iter_stream_pieces(walk(), self.chunk_bytes):
+                for piece in pieces:
+                    hasher.update(piece)
+                digests.append(wire.chunk_digest(self.checksum_algo, pieces))
+                tensors.clear()
             checksum = hasher.hexdigest()
         else:
             for name, dtype, shape in specs:
@@ -299,7 +352,7 @@ class WeightSyncServer:
                 layout.append(pb.TensorSpec(name=name, dtype=wire.dtype_name(dtype), shape=dims,
                                             nbytes=nbytes, offset=offset))
                 offset += nbytes
-        manifest = self._manifest(version, layout, offset, checksum)
+        manifest = self._manifest(version, layout, offset, checksum, None, b"".join(digests))
         self._install(_Snapshot(manifest, self._manifest_bytes(manifest), None, provider))
         return manifest
 
@@ -311,7 +364,7 @@ class WeightSyncServer:
 
     def _manifest(
         self, version: int, specs: list[pb.TensorSpec], total: int, checksum: str,
-        metadata: Mapping[str, str] | None = None,
+        metadata: Mapping[str, str] | None = None, chunk_digests: bytes = b"",
     ) -> pb.Manifest:
         bad = [k for k, v in (metadata or {}).items()
                if not isinstance(k, str) or not isinstance(v, str)]
@@ -320,7 +373,7 @@ class WeightSyncServer:
         return pb.Manifest(
             version=version, tensors=specs, total_bytes=total, checksum=checksum,
             checksum_algo=self.checksum_algo, chunk_bytes=self.chunk_bytes,
-            metadata=dict(metadata or {}),
+            metadata=dict(metadata or {}), chunk_digests=chunk_digests,
         )
 
     def _manifest_bytes(self, manifest: pb.Manifest) -> bytes:
@@ -339,11 +392,27 @@ class WeightSyncServer:
         if old is not None:
             old.retired.set()
 
+    def serve_buffer(self, buffer: RelayBuffer | None) -> None:
+        """Serve a relay's growing buffer (relay.py) instead of a published version; None stops
+        serving. Unlike `publish`, the same version may be installed again (a relay whose
+        transfer failed starts over)."""
+        if buffer is None:
+            self._retire()
+            return
+        manifest = buffer.manifest
+        snapshot = _Snapshot(manifest, self._manifest_bytes(manifest), None, relay=buffer)
+        with self._lock:
+            old, self._current = self._current, snapshot
+            self._changed.notify_all()
+        if old is not None:
+            old.retired.set()
+
     def _install(self, snapshot: _Snapshot) -> None:
         """Swap the complete new snapshot in; streams of the old one stop as superseded."""
         with self._lock:
             old, self._current = self._current, snapshot
             self._last_version = snapshot.version
+            self._changed.notify_all()
         if old is not None:
             old.retired.set()
         PUBLISHED_VERSION.set(snapshot.version)
@@ -359,6 +428,18 @@ class WeightSyncServer:
             return pb.VersionInfo(version=0)
         return pb.VersionInfo(version=snapshot.version, manifest=snapshot.manifest)
 
+    def _locate(self, request: pb.LocateRequest, context: grpc.ServicerContext):
+        """Where the caller should fetch the current version (fanout.py)."""
+        snapshot = self._current
+        if snapshot is None:
+            return pb.LocateReply(version=0)
+        source = self.fanout.locate(snapshot.version, request.client_id, request.relay_address,
+                                    request.failed, request.done)
+        if request.done:
+            return pb.LocateReply(version=snapshot.version)
+        return pb.LocateReply(version=snapshot.version, source=source,
+                              manifest=snapshot.manifest)
+
     def _fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         stream = self._admit(context)
         try:
@@ -366,34 +447,77 @@ class WeightSyncServer:
         finally:
             self._leave(stream)
 
+    def _await_version(self, version: int, context: grpc.ServicerContext) -> _Snapshot | None:
+        """A relay asked for a version it has not begun to receive: the learner assigns a
+        child as soon as its parent asked where to fetch, which may be a moment before the
+        parent's first chunk arrived. Wait up to `stall_timeout_s` for it to begin."""
+        deadline = time.monotonic() + self.stall_timeout_s
+        with self._changed:
+            while (self._current is None or self._current.version < version) \
+                    and not self._stopping.is_set() and context.is_active():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(min(left, 0.2))
+            return self._current
+
     def _serve(self, request: pb.FetchRequest, context: grpc.ServicerContext,
                stream: _Stream) -> Iterator[bytes]:
         snapshot = self._current
+        if not self._coordinate and request.version and (
+                snapshot is None or snapshot.version < request.version):
+            snapshot = self._await_version(request.version, context)
         if snapshot is None:
             FETCHES.labels("not_published").inc()
+            if not self._coordinate:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              "not_held: this relay holds no version")
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not_published: no weights served")
         if request.version and request.version != snapshot.version:
             FETCHES.labels("superseded").inc()
+            if snapshot.relay is not None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"not_held: this relay holds version {snapshot.version}, not "
+                              f"{request.version}")
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"superseded: version {request.version} is not served; current is "
                 f"{snapshot.version}",
             )
+        chunk_bytes = snapshot.manifest.chunk_bytes or 1
+        if request.offset % chunk_bytes or request.offset > snapshot.manifest.total_bytes:
+            FETCHES.labels("error").inc()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"manifest: offset {request.offset} is not a chunk boundary of the "
+                          f"{snapshot.manifest.total_bytes}-byte stream")
+        if snapshot.relay is not None:
+            snapshot.relay.reading(+1)
         try:
-            for message in self._encode_chunks(snapshot):
+            for message in self._encode_chunks(snapshot, request.offset // chunk_bytes,
+                                               context):
+                if self._pace is not None:
+                    self._pace(len(message))
                 stream.waiting_since = time.monotonic()
                 yield message  # returns once gRPC accepted it (the client's window had room)
                 stream.waiting_since = None
+                with self._sent_lock:
+                    self.bytes_sent += len(message)
         except _Superseded:
             FETCHES.labels("superseded").inc()
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"superseded: version {snapshot.version} was replaced during the transfer",
             )
-        except ValueError as exc:  # a lazy provider that no longer matches its manifest
+        except RelayUnavailable as exc:  # this relay's own transfer failed or stalled
+            FETCHES.labels("error").inc()
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except ValueError as exc:  # a lazy provider (or relay copy) that no longer matches
             FETCHES.labels("error").inc()
             log.error("weights v%d: %s", snapshot.version, exc)
             context.abort(grpc.StatusCode.DATA_LOSS, f"corrupt: {exc}")
+        finally:
+            if snapshot.relay is not None:
+                snapshot.relay.reading(-1)
         FETCHES.labels("ok").inc()
 
     # --- slow readers ---------------------------------------------------------------------
@@ -441,13 +565,31 @@ class WeightSyncServer:
                             "%.0fs (stall_timeout_s)", stream.peer, self.stall_timeout_s)
                 stream.context.cancel()
 
-    def _encode_chunks(self, snapshot: _Snapshot) -> Iterator[bytes]:
-        """The serialized chunks of one fetch: manifest, data chunks, then the checksum."""
+    def _encode_chunks(self, snapshot: _Snapshot, start: int = 0,
+                       context: grpc.ServicerContext | None = None) -> Iterator[bytes]:
+        """The serialized chunks of one fetch: manifest, data chunks from chunk `start` on
+        (a resumed fetch), then the checksum."""
         yield snapshot.manifest_bytes
         version = snapshot.version
-        if snapshot.messages is not None:
+        if snapshot.relay is not None:
+            buffer = snapshot.relay
+
+            def stop() -> bool:
+                return snapshot.retired.is_set() or (context is not None
+                                                     and not context.is_active())
+
+            for index in range(start, buffer.chunks):
+                message = buffer.message(index, stop, self.stall_timeout_s)
+                if message is None:
+                    raise _Superseded
+                BYTES_SENT.inc(len(message))
+                yield message
+            checksum = buffer.final_checksum(stop, self.stall_timeout_s)
+            if checksum is None:
+                raise _Superseded
+        elif snapshot.messages is not None:
             checksum = snapshot.manifest.checksum
-            for message in snapshot.messages:
+            for message in snapshot.messages[start:]:
                 if snapshot.retired.is_set():
                     raise _Superseded
                 BYTES_SENT.inc(len(message))
@@ -455,11 +597,14 @@ class WeightSyncServer:
         else:
             hasher = wire.new_hasher(snapshot.manifest.checksum_algo)
             tensors = self._lazy_tensors(snapshot)
-            for offset, pieces, name, inner in wire.iter_stream_pieces(tensors, self.chunk_bytes):
+            for index, (offset, pieces, name, inner) in enumerate(
+                    wire.iter_stream_pieces(tensors, self.chunk_bytes)):
                 if snapshot.retired.is_set():
                     raise _Superseded
-                for piece in pieces:
+                for piece in pieces:  # the whole stream is hashed, also what a resume skips
                     hasher.update(piece)
+                if index < start:
+                    continue
                 message = wire.encode_chunk(version=version, offset=offset, pieces=pieces,
                                             name=name, tensor_offset=inner)
                 BYTES_SENT.inc(len(message))

@@ -24,6 +24,7 @@ from services.common.proto_gen.forage import weight_sync_pb2 as pb
 SERVICE = "forage.weightsync.WeightSync"
 GET_VERSION_METHOD = f"/{SERVICE}/GetVersion"
 FETCH_METHOD = f"/{SERVICE}/Fetch"
+LOCATE_METHOD = f"/{SERVICE}/Locate"
 AUTH_METADATA_KEY = "authorization"
 # Extra gRPC channel arguments both ends use; kept empty after measuring: frame size,
 # lookahead and TCP read sizes moved loopback throughput less than the run-to-run noise.
@@ -72,6 +73,9 @@ class _Crc32:
     def hexdigest(self) -> str:
         return f"{self._value:08x}"
 
+    def digest(self) -> bytes:
+        return self._value.to_bytes(4, "big")
+
 
 CHECKSUMS = ("xxh3_64", "sha256", "sha1", "blake2b", "crc32")
 
@@ -90,6 +94,38 @@ def new_hasher(algo: str):
 
         return xxhash.xxh3_64()
     return hashlib.new(algo)
+
+
+def digest_size(algo: str) -> int:
+    """Bytes of one chunk digest under `algo` (the manifest's `chunk_digests` stride)."""
+    return len(new_hasher(algo).digest())
+
+
+def chunk_digest(algo: str, pieces: Iterable[memoryview | bytes]) -> bytes:
+    """The digest of one chunk's payload (its pieces in order), as stored in `chunk_digests`."""
+    hasher = new_hasher(algo)
+    for piece in pieces:
+        hasher.update(piece)
+    return hasher.digest()
+
+
+def chunk_count(total_bytes: int, chunk_bytes: int) -> int:
+    """Data chunks in a stream of `total_bytes`: all full but the last."""
+    return -(-total_bytes // chunk_bytes) if total_bytes and chunk_bytes else 0
+
+
+def expected_digest(manifest: pb.Manifest, index: int) -> bytes | None:
+    """Chunk `index`'s digest from the manifest, or None when the manifest has none."""
+    if not manifest.chunk_digests:
+        return None
+    size = digest_size(manifest.checksum_algo)
+    return manifest.chunk_digests[index * size:(index + 1) * size]
+
+
+def same_manifest(a: pb.Manifest, b: pb.Manifest) -> bool:
+    """Whether two manifests describe the same stream, field for field (a relay must send the
+    learner's manifest unchanged; deterministic serialization orders the metadata map)."""
+    return a.SerializeToString(deterministic=True) == b.SerializeToString(deterministic=True)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -191,6 +227,13 @@ def check_manifest(manifest: pb.Manifest) -> list[TensorLayout]:
     if manifest.total_bytes != cursor:
         raise WeightSyncError("manifest", f"total_bytes {manifest.total_bytes} != sum of tensors {cursor}")
     new_hasher(manifest.checksum_algo)
+    if manifest.chunk_digests:
+        chunks = chunk_count(manifest.total_bytes, manifest.chunk_bytes)
+        size = digest_size(manifest.checksum_algo)
+        if len(manifest.chunk_digests) != chunks * size:
+            raise WeightSyncError(
+                "manifest", f"{len(manifest.chunk_digests)} bytes of chunk digests for {chunks} "
+                f"chunks of {size}-byte {manifest.checksum_algo} digests")
     return layout
 
 
@@ -349,12 +392,16 @@ class ChunkPacker:
 
     Each tensor's bytes are copied into the pending chunk at once, so the caller may free or
     reuse the tensor as soon as `add` returns (a ZeRO-3 gather releases its buffer). The
-    finished messages are what every fetch streams, untouched: no per-fetch copy.
+    finished messages are what every fetch streams, untouched: no per-fetch copy. With
+    `digest_algo` each chunk's payload is also hashed while it is in cache (`digests`, the
+    manifest's `chunk_digests`), so relays and their children can check chunk by chunk.
     """
 
-    def __init__(self, version: int, chunk_bytes: int) -> None:
+    def __init__(self, version: int, chunk_bytes: int, digest_algo: str | None = None) -> None:
         self.version = version
         self.chunk_bytes = chunk_bytes
+        self.digest_algo = digest_algo
+        self.digests: list[bytes] = []
         self.messages: list[bytes] = []
         self._buffer = bytearray(chunk_bytes)
         self._view = memoryview(self._buffer)
@@ -384,6 +431,8 @@ class ChunkPacker:
 
     def _flush(self) -> None:
         offset, name, inner = self._start
+        if self.digest_algo is not None:
+            self.digests.append(chunk_digest(self.digest_algo, (self._view[:self._filled],)))
         self.messages.append(encode_chunk(
             version=self.version, offset=offset, pieces=[self._view[:self._filled]], name=name,
             tensor_offset=inner,

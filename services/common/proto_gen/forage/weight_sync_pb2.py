@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66orage/weight_sync.proto\x12\x11\x66orage.weightsync\"\x13\n\x11GetVersionRequest\"j\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x10\n\x08\x61lias_of\x18\x06 \x01(\t\"\x8c\x02\n\x08Manifest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12.\n\x07tensors\x18\x02 \x03(\x0b\x32\x1d.forage.weightsync.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\t\x12\x15\n\rchecksum_algo\x18\x05 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x06 \x01(\x04\x12;\n\x08metadata\x18\x07 \x03(\x0b\x32).forage.weightsync.Manifest.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"M\n\x0bVersionInfo\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12-\n\x08manifest\x18\x02 \x01(\x0b\x32\x1b.forage.weightsync.Manifest\"\x1f\n\x0c\x46\x65tchRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\"\xaa\x01\n\x05\x43hunk\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x15\n\rtensor_offset\x18\x05 \x01(\x04\x12-\n\x08manifest\x18\x06 \x01(\x0b\x32\x1b.forage.weightsync.Manifest\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\t\x12\x0c\n\x04last\x18\x08 \x01(\x08\x32\xa6\x01\n\nWeightSync\x12R\n\nGetVersion\x12$.forage.weightsync.GetVersionRequest\x1a\x1e.forage.weightsync.VersionInfo\x12\x44\n\x05\x46\x65tch\x12\x1f.forage.weightsync.FetchRequest\x1a\x18.forage.weightsync.Chunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66orage/weight_sync.proto\x12\x11\x66orage.weightsync\"\x13\n\x11GetVersionRequest\"j\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x10\n\x08\x61lias_of\x18\x06 \x01(\t\"\xa3\x02\n\x08Manifest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12.\n\x07tensors\x18\x02 \x03(\x0b\x32\x1d.forage.weightsync.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\t\x12\x15\n\rchecksum_algo\x18\x05 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x06 \x01(\x04\x12;\n\x08metadata\x18\x07 \x03(\x0b\x32).forage.weightsync.Manifest.MetadataEntry\x12\x15\n\rchunk_digests\x18\x08 \x01(\x0c\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"M\n\x0bVersionInfo\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12-\n\x08manifest\x18\x02 \x01(\x0b\x32\x1b.forage.weightsync.Manifest\"/\n\x0c\x46\x65tchRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"h\n\rLocateRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x15\n\rrelay_address\x18\x03 \x01(\t\x12\x0e\n\x06\x66\x61iled\x18\x04 \x03(\t\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\"]\n\x0bLocateReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06source\x18\x02 \x01(\t\x12-\n\x08manifest\x18\x03 \x01(\x0b\x32\x1b.forage.weightsync.Manifest\"\xaa\x01\n\x05\x43hunk\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x15\n\rtensor_offset\x18\x05 \x01(\x04\x12-\n\x08manifest\x18\x06 \x01(\x0b\x32\x1b.forage.weightsync.Manifest\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\t\x12\x0c\n\x04last\x18\x08 \x01(\x08\x32\xf2\x01\n\nWeightSync\x12R\n\nGetVersion\x12$.forage.weightsync.GetVersionRequest\x1a\x1e.forage.weightsync.VersionInfo\x12\x44\n\x05\x46\x65tch\x12\x1f.forage.weightsync.FetchRequest\x1a\x18.forage.weightsync.Chunk0\x01\x12J\n\x06Locate\x12 .forage.weightsync.LocateRequest\x1a\x1e.forage.weightsync.LocateReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,15 +39,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSORSPEC']._serialized_start=68
   _globals['_TENSORSPEC']._serialized_end=174
   _globals['_MANIFEST']._serialized_start=177
-  _globals['_MANIFEST']._serialized_end=445
-  _globals['_MANIFEST_METADATAENTRY']._serialized_start=398
-  _globals['_MANIFEST_METADATAENTRY']._serialized_end=445
-  _globals['_VERSIONINFO']._serialized_start=447
-  _globals['_VERSIONINFO']._serialized_end=524
-  _globals['_FETCHREQUEST']._serialized_start=526
-  _globals['_FETCHREQUEST']._serialized_end=557
-  _globals['_CHUNK']._serialized_start=560
-  _globals['_CHUNK']._serialized_end=730
-  _globals['_WEIGHTSYNC']._serialized_start=733
-  _globals['_WEIGHTSYNC']._serialized_end=899
+  _globals['_MANIFEST']._serialized_end=468
+  _globals['_MANIFEST_METADATAENTRY']._serialized_start=421
+  _globals['_MANIFEST_METADATAENTRY']._serialized_end=468
+  _globals['_VERSIONINFO']._serialized_start=470
+  _globals['_VERSIONINFO']._serialized_end=547
+  _globals['_FETCHREQUEST']._serialized_start=549
+  _globals['_FETCHREQUEST']._serialized_end=596
+  _globals['_LOCATEREQUEST']._serialized_start=598
+  _globals['_LOCATEREQUEST']._serialized_end=702
+  _globals['_LOCATEREPLY']._serialized_start=704
+  _globals['_LOCATEREPLY']._serialized_end=797
+  _globals['_CHUNK']._serialized_start=800
+  _globals['_CHUNK']._serialized_end=970
+  _globals['_WEIGHTSYNC']._serialized_start=973
+  _globals['_WEIGHTSYNC']._serialized_end=1215
 # @@protoc_insertion_point(module_scope)

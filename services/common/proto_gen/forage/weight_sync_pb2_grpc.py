@@ -45,6 +45,11 @@ class WeightSyncStub:
                 request_serializer=forage_dot_weight__sync__pb2.FetchRequest.SerializeToString,
                 response_deserializer=forage_dot_weight__sync__pb2.Chunk.FromString,
                 _registered_method=True)
+        self.Locate = channel.unary_unary(
+                '/forage.weightsync.WeightSync/Locate',
+                request_serializer=forage_dot_weight__sync__pb2.LocateRequest.SerializeToString,
+                response_deserializer=forage_dot_weight__sync__pb2.LocateReply.FromString,
+                _registered_method=True)
 
 
 class WeightSyncServicer:
@@ -65,6 +70,16 @@ class WeightSyncServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Locate(self, request, context):
+        """Relay fan-out (docs/weight_sync.md "Relays"): where the caller should fetch a version
+        from, the learner itself or a replica that already holds or is receiving it. Answered by
+        the learner; a replica's relay answers UNIMPLEMENTED, as do servers that predate it (the
+        client then fetches from the learner directly).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightSyncServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +92,11 @@ def add_WeightSyncServicer_to_server(servicer, server):
                     servicer.Fetch,
                     request_deserializer=forage_dot_weight__sync__pb2.FetchRequest.FromString,
                     response_serializer=forage_dot_weight__sync__pb2.Chunk.SerializeToString,
+            ),
+            'Locate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Locate,
+                    request_deserializer=forage_dot_weight__sync__pb2.LocateRequest.FromString,
+                    response_serializer=forage_dot_weight__sync__pb2.LocateReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +153,33 @@ class WeightSync:
             '/forage.weightsync.WeightSync/Fetch',
             forage_dot_weight__sync__pb2.FetchRequest.SerializeToString,
             forage_dot_weight__sync__pb2.Chunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Locate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/forage.weightsync.WeightSync/Locate',
+            forage_dot_weight__sync__pb2.LocateRequest.SerializeToString,
+            forage_dot_weight__sync__pb2.LocateReply.FromString,
             options,
             channel_credentials,
             insecure,
