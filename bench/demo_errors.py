@@ -1,4 +1,4 @@
-"""Where does a demo policy go wrong on the held-out questions? (issue 15 diagnosis)
+"""Where does a demo policy go wrong on the held-out questions? (a diagnosis)
 
     .venv/bin/python bench/demo_errors.py RUN [--policy DIR ...] [--split test] [--limit N]
 

@@ -1,4 +1,4 @@
-"""Does the demo learn on any world? `forage demo` on several worlds in sequence (issue 15).
+"""Does the demo learn on any world? `forage demo` on several worlds in sequence.
 
     .venv/bin/python bench/efficacy.py [--seeds 1,2,3,4,5] [--out DIR] [--set key=value ...]
         [--busy] [--resume] [--table-only] [--readme]
@@ -13,7 +13,7 @@ Per seed, from the demo's own files (report/summary.json, metrics.jsonl, sft/sft
 demo.json): held-out greedy EM before and after RL, overall and per data source; searches per
 question before and after; the probe curve of correct trajectories at the 0% and 100% cuts
 (averaged over every step that probed); what the warm start reached; wall time. Then the
-target check of issue 15 (median EM gain >= +15 points, minimum >= +10, searches up, probe
+target check (median EM gain >= +15 points, minimum >= +10, searches up, probe
 rising from 0% to 100%, each demo <= 15 minutes) and, last line, `ratio: median gain / 15`.
 
 `--readme` writes the table into bench/README.md between the efficacy markers. `--table-only`

@@ -1,4 +1,4 @@
-"""Forage's GRPO side by side with Hugging Face TRL's GRPOTrainer on the same work (issue 16).
+"""Forage's GRPO side by side with Hugging Face TRL's GRPOTrainer on the same work.
 
 Task (a), single-turn: the synthetic world's questions with a good demonstration's searches and
 retrieved passages already in the prompt (the Search-R1 prompt rendered with the chat template,

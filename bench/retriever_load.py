@@ -53,7 +53,7 @@ PYTHON = sys.executable
 WORKLOADS = {"single": (8, 1), "batch": (4, 32)}  # name: (client threads, queries per request)
 TOPK = 3
 
-# Search-R1's retrieval_server.py, made to run on this CPU (the issue's recipe): each pattern
+# Search-R1's retrieval_server.py, made to run on this CPU: each pattern
 # must match, so a changed upstream file fails loudly instead of benchmarking something else.
 PEER_PATCHES = [
     (r"model\.cuda\(\)", "model  # .cuda() removed: CPU"),

@@ -1,4 +1,4 @@
-"""Rollout throughput benchmark (issue 6). Same model and prompts for both sides of each ratio.
+"""Rollout throughput benchmark. Same model and prompts for both sides of each ratio.
 
 1. single-turn: generated tokens/s of the agent loop (no tool) ÷ tokens/s of a plain batched
    `model.generate` producing the same number of tokens (EOS disabled on both sides, so both

@@ -1,5 +1,5 @@
 """math_verify throughput: the scorer's 2-worker process pool vs a serial loop in the main
-process, over the same 2,000 items in the same run (issue 4).
+process, over the same 2,000 items in the same run.
 
     .venv/bin/python bench/scorer.py [--items 2000] [--workers 2]
 

@@ -1,4 +1,4 @@
-"""SFT step time on a quiet machine and under one competing busy process (issue 15, "graceful
+"""SFT step time on a quiet machine and under one competing busy process ("graceful
 under load"): the demo's warm start, run as `forage learner sft` with the demo's config.
 
     .venv/bin/python bench/sft_load.py [--steps 40] [--rounds 2] [--env NAME=VALUE ...]
@@ -11,7 +11,7 @@ thread variables of the calling shell are removed, so the command's own policy
 libgomp's default spinning, the behaviour before the policy). Step times come from when each
 line of `sft_metrics.jsonl` appears (the first 3 steps are warm-up and not counted). Printed:
 median step time per load and run wall time; last line `ratio: busy / quiet median step time`
-(issue 15 wants the demo under one competing process at most ~2x its quiet time).
+(the target: the demo under one competing process at most ~2x its quiet time).
 """
 
 from __future__ import annotations

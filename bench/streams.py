@@ -1,4 +1,4 @@
-"""Streams throughput and codec speed for realistic trajectories (issue 2, item 4).
+"""Streams throughput and codec speed for realistic trajectories.
 
 1. Trajectories/s through publish → consume → ack with `RedisStreams` (backpressure check,
    reclaim scan, delivery counts included) against a bare redis-py loop doing only

@@ -1,4 +1,4 @@
-"""msgpack codec for the stream payloads (DESIGN.md 3.2). No pickle: data crosses processes.
+"""msgpack codec for the stream payloads (docs/architecture.md). No pickle: data crosses processes.
 
 Every payload is a msgpack map with a `schema` field naming the record type and version.
 Token arrays travel as raw little-endian bytes. Anything that does not decode into a valid

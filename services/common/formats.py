@@ -1,4 +1,4 @@
-"""Text formats both sides of a contract share (Search-R1's, byte for byte; DESIGN.md 4, 5).
+"""Text formats both sides of a contract share (Search-R1's, byte for byte; docs/architecture.md).
 
 The data builder writes prompts and SFT observations with these functions and the rollout
 agent loop inserts observations with the same ones, so a demonstration and a live trajectory
@@ -44,7 +44,7 @@ def normalize_answer(text: str) -> str:
 
 ACTION_PATTERN = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 
-# Suffixes that force an answer after a truncated reasoning prefix (DESIGN.md 5; docs/probe.md).
+# Suffixes that force an answer after a truncated reasoning prefix (docs/architecture.md; docs/probe.md).
 # TinyZero-PRM's (countdown), byte for byte: note the trailing space after <answer>.
 PROBE_SUFFIX_THINK = "</think> Thus, the final answer is <answer> "
 # Search trajectories (no reference probe): the policy's own answer markup and nothing else. A
@@ -203,7 +203,7 @@ def probe_rule(data_source: str, suffix: str | None = None) -> ProbeRule:
 
 
 def probe_suffix(data_source: str, override: str | None = None) -> str:
-    """The suffix that forces an answer after a truncated reasoning prefix (DESIGN.md 5).
+    """The suffix that forces an answer after a truncated reasoning prefix (docs/architecture.md).
 
     One rule for both sides of the contract: the rollout appends it to build probe prompts and
     the scorer prepends it to each completion so the answer markup is complete.

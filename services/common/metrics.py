@@ -1,4 +1,4 @@
-"""Prometheus metrics for any service (DESIGN.md 3.5).
+"""Prometheus metrics for any service (docs/architecture.md).
 
 FastAPI services mount `metrics_app()` at /metrics; worker processes without an HTTP server
 call `start_metrics_server(port)`, which serves /metrics and /healthz on a small thread.

@@ -1,4 +1,4 @@
-"""Find a Redis to talk to, or start one (DESIGN.md 3.2, 7).
+"""Find a Redis to talk to, or start one (docs/architecture.md).
 
 Order: the URL the user named (config `redis.url` or REDIS_URL) must answer, or it is an error;
 with no URL named, 127.0.0.1:6379 is tried; when nothing answers there and embedding is

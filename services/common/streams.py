@@ -1,4 +1,4 @@
-"""Redis streams between the services (DESIGN.md 3.2), synchronous API; docs/streams.md.
+"""Redis streams between the services (docs/architecture.md), synchronous API; docs/streams.md.
 
 Delivery is at least once. A consumer reads in its consumer group and acks after its output is
 written; a message left pending by a dead consumer is reclaimed (XAUTOCLAIM) once it has been

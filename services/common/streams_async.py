@@ -1,4 +1,4 @@
-"""The streams of DESIGN.md 3.2 over redis.asyncio: `RedisStreams`' methods as coroutines.
+"""The streams of docs/architecture.md over redis.asyncio: `RedisStreams`' methods as coroutines.
 
 Only the I/O differs from the sync class; keys, the publish script, reply parsing, the reclaim
 split, dead-letter fields and the retry schedule are the shared helpers of `streams`.

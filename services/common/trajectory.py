@@ -1,4 +1,4 @@
-"""The records that travel between services (DESIGN.md 3.3).
+"""The records that travel between services (docs/architecture.md).
 
 Token arrays are numpy arrays (int32 ids, uint8 loss mask, float32 log-probs) so that the codec
 can move them as raw little-endian bytes and consumers can use them without a Python-list

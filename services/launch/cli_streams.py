@@ -1,6 +1,6 @@
 """`forage streams dead [--config FILE] [--stream KIND] [--limit N] [--json]`.
 
-Shows what the services dead-lettered (`{namespace}:dead`, DESIGN.md 3.2): when, from which
+Shows what the services dead-lettered (`{namespace}:dead`, docs/architecture.md): when, from which
 stream and consumer group, after how many deliveries, why, and what the message was, decoded
 with the same codec the services use (never unpickled: the payload is msgpack or it is shown as
 bytes). Newest first. It reads only: nothing is acked, deleted or re-published.

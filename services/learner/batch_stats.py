@@ -1,7 +1,7 @@
 """Per-step metrics of a batch of scored trajectories (pure: lists in, flat dict out).
 
 Names are the JSON-line keys of `RUN_DIR/metrics.jsonl` (docs/learner.md) and, for the probe,
-TinyZero-PRM's (DESIGN.md 5). "Correct" means reward >= 1, the same rule the scorer applies to
+TinyZero-PRM's (docs/architecture.md). "Correct" means reward >= 1, the same rule the scorer applies to
 probe completions, so EM here and the probe's correct/incorrect split agree.
 """
 

@@ -1,4 +1,4 @@
-"""`forage learner train`: the RL stream loop (DESIGN.md 1, 6; issue 7 "The loop").
+"""`forage learner train`: the RL stream loop (docs/architecture.md; issue 7 "The loop").
 
 The learner owns the run. Each step it:
   1. issues prompt groups while admission control allows ((max_staleness + 1) × batch groups in

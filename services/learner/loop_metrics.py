@@ -1,4 +1,4 @@
-"""Prometheus metrics of the learner's RL loop (DESIGN.md 3.5); names start with forage_learner_.
+"""Prometheus metrics of the learner's RL loop (docs/architecture.md); names start with forage_learner_.
 
 `forage_stream_lag{stream}` is exported here because the learner is the one process that always
 runs: the rollout HPA on Kubernetes scales on `forage_stream_lag{stream="prompts"}`

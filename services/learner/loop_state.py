@@ -3,7 +3,7 @@
 Pure and side-effect free (no Redis, no torch, no clock): the loop passes the current time and
 policy version in, and does the publishing/training itself. Keeping the rules here lets them be
 tested exhaustively by hand-built scenarios, and lets the loop prove from the counters that every
-issued group was trained exactly once, or re-issued / dropped and counted (DESIGN.md 1).
+issued group was trained exactly once, or re-issued / dropped and counted (docs/architecture.md).
 
 Rules (issue 7, "The loop"):
 

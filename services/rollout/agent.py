@@ -1,4 +1,4 @@
-"""The multi-turn search agent loop (Search-R1 semantics, DESIGN.md 4), token-in/token-out.
+"""The multi-turn search agent loop (Search-R1 semantics, docs/architecture.md), token-in/token-out.
 
 Each trajectory alternates policy turns and observations. A turn is one engine request whose
 prompt is the trajectory's prompt ids + every response id so far (never re-tokenized text).

@@ -2,7 +2,7 @@
 
 The agent loop drives an engine step by step (`add_request`, `step`) rather than through one
 blocking `generate` call, so that a trajectory whose turn just finished can leave, wait for the
-retriever, and come back while the others keep decoding (continuous batching, DESIGN.md 4).
+retriever, and come back while the others keep decoding (continuous batching, docs/architecture.md).
 `generate` is the blocking convenience on top of the same two calls.
 """
 

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the rollout service (DESIGN.md 3.5); names start with forage_rollout_."""
+"""Prometheus metrics of the rollout service (docs/architecture.md); names start with forage_rollout_."""
 
 from __future__ import annotations
 

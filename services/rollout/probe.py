@@ -1,4 +1,4 @@
-"""Faithfulness probe: truncated-reasoning prompts that force an answer (DESIGN.md 5).
+"""Faithfulness probe: truncated-reasoning prompts that force an answer (docs/architecture.md).
 
 For a finished trajectory, the reasoning span is found by the data source's rule
 (`services.common.formats.probe_rule`; docs/probe.md): countdown follows TinyZero-PRM (after

@@ -1,4 +1,4 @@
-"""Client of the retriever's Search-R1 `/retrieve` (DESIGN.md 3.1) with timeout and retries.
+"""Client of the retriever's Search-R1 `/retrieve` (docs/architecture.md) with timeout and retries.
 
 Search-R1's client has neither; a retriever restart then hangs or kills a whole training step.
 Here a failed call is retried with exponential backoff and, if it keeps failing, raises

@@ -4,7 +4,7 @@ Layout: the running requests form one batch with one KV cache; an explicit atten
 (rows × cache width) marks each row's real positions, and each row's position ids count only
 its real tokens, so rows of different lengths (and with holes) share the batch. A finishing
 request's row is removed at once and waiting requests are prefilled as a small batch and
-concatenated in, so the batch stays full without stepping finished sequences (DESIGN.md 4).
+concatenated in, so the batch stays full without stepping finished sequences (docs/architecture.md).
 Columns that no row uses any more are trimmed from the left.
 
 Multi-turn reuse: when a finished request has a `cache_key`, its row's KV is parked (only its

@@ -1,4 +1,4 @@
-"""Weight updates inside vLLM's worker processes (DESIGN.md 3.4).
+"""Weight updates inside vLLM's worker processes (docs/architecture.md).
 
 vLLM (V1) runs the model in worker processes and reaches them through `collective_rpc`, whose
 arguments are msgpack-encoded on the way to the engine core: a Python function or a tensor

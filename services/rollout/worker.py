@@ -1,4 +1,4 @@
-"""The rollout service: prompt groups in, trajectories out (DESIGN.md 1, 3.2, 3.4).
+"""The rollout service: prompt groups in, trajectories out (docs/architecture.md).
 
 One replica = one process = one engine. It joins consumer group `rollout` on the prompts
 stream, plays groups through the agent loop, publishes each group's `n` trajectories together

@@ -1,4 +1,4 @@
-"""The scorer's Prometheus metrics (DESIGN.md 3.5); exposed by services.common.metrics."""
+"""The scorer's Prometheus metrics (docs/architecture.md); exposed by services.common.metrics."""
 
 from __future__ import annotations
 

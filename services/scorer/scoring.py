@@ -41,7 +41,7 @@ class ScoreRequest:
     solution_str: str
     ground_truth: Any
     extra_info: dict | None = None
-    # Probe samples are scored without format credit (DESIGN.md 5).
+    # Probe samples are scored without format credit (docs/architecture.md).
     for_probe: bool = False
 
 

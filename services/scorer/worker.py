@@ -1,4 +1,4 @@
-"""The scorer service: rollouts stream in (group `scorer`), scored stream out (DESIGN.md 3.2).
+"""The scorer service: rollouts stream in (group `scorer`), scored stream out (docs/architecture.md).
 
 One batch: decode each message (CodecError → dead letter; token ids must lie in the
 tokenizer's vocabulary), decode its response tokens to text, score the reward and the probe

@@ -1,2 +1,2 @@
 """Task data (not a service): synthetic search world, countdown, math word problems, dataset
-formats, SFT demonstrations and the tiny-policy builder (DESIGN.md 2, 7)."""
+formats, SFT demonstrations and the tiny-policy builder (docs/architecture.md)."""

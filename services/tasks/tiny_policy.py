@@ -1,4 +1,4 @@
-"""A tokenizer and a randomly initialised Qwen2-architecture policy, built here (DESIGN.md 7).
+"""A tokenizer and a randomly initialised Qwen2-architecture policy, built here (docs/architecture.md).
 
 Nothing can be downloaded, so the demo and the tests make their own policy. It is saved with
 `save_pretrained` in the same directory layout as a real checkpoint (config.json,

@@ -1,4 +1,4 @@
-"""Weight sync over a real gRPC server on loopback (DESIGN.md 3.4)."""
+"""Weight sync over a real gRPC server on loopback (docs/architecture.md)."""
 
 from __future__ import annotations
 

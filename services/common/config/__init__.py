@@ -1,4 +1,4 @@
-"""One YAML file configures a run; several merge in order; `a.b=c` overrides any key (DESIGN.md 8).
+"""One YAML file configures a run; several merge in order; `a.b=c` overrides any key (docs/architecture.md).
 
 Each section lives in its own module so that a service adds its keys without touching the
 others. Loading is strict: an unknown or ill-typed key raises `ConfigError` naming the key,

@@ -1,4 +1,4 @@
-"""Dataset settings (DESIGN.md 1, 7)."""
+"""Dataset settings (docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Learner settings: algorithm, optimisation, loop (DESIGN.md 1, 6)."""
+"""Learner settings: algorithm, optimisation, loop (docs/architecture.md)."""
 
 from __future__ import annotations
 

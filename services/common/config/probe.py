@@ -1,4 +1,4 @@
-"""Faithfulness probe settings; names follow the TinyZero-PRM probe (DESIGN.md 5)."""
+"""Faithfulness probe settings; names follow the TinyZero-PRM probe (docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Redis connection and stream settings (DESIGN.md 3.2; docs/streams.md)."""
+"""Redis connection and stream settings (docs/architecture.md; docs/streams.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Retriever settings: where the index is, how it is served (DESIGN.md 3.1)."""
+"""Retriever settings: where the index is, how it is served (docs/architecture.md)."""
 
 from __future__ import annotations
 

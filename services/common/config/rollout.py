@@ -1,4 +1,4 @@
-"""Rollout settings: engine, sampling and the agent loop (DESIGN.md 4)."""
+"""Rollout settings: engine, sampling and the agent loop (docs/architecture.md)."""
 
 from __future__ import annotations
 

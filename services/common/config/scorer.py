@@ -1,4 +1,4 @@
-"""Scorer settings: worker pool, custom rewards (DESIGN.md 9)."""
+"""Scorer settings: worker pool, custom rewards (docs/architecture.md)."""
 
 from __future__ import annotations
 

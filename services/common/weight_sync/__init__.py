@@ -1,4 +1,4 @@
-"""gRPC weight sync between the learner and rollout replicas (DESIGN.md 3.4).
+"""gRPC weight sync between the learner and rollout replicas (docs/architecture.md).
 
 Server (learner): `WeightSyncServer(...).start()`, `.publish(state_dict, version)` or
 `.publish_lazy(provider, version)`. Client (replica): `WeightSyncClient(address).fetch()`,

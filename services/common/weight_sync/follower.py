@@ -1,6 +1,6 @@
 """The replica's loop step: notice a newer version, fetch and verify it, then swap it in.
 
-Rollout workers call `poll()` between generation steps (DESIGN.md 3.4). The swap callback
+Rollout workers call `poll()` between generation steps (docs/architecture.md). The swap callback
 runs only with a fully verified set; when a fetch fails the error is logged, counted, and the
 current weights keep serving until the next poll.
 """

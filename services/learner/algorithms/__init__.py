@@ -1,4 +1,4 @@
-"""RL algorithms for the learner as pure tensor functions (DESIGN.md 6, 9; docs/algorithms.md).
+"""RL algorithms for the learner as pure tensor functions (docs/architecture.md; docs/algorithms.md).
 
 `ADVANTAGE_ESTIMATORS[name](token_level_rewards, response_mask, group_ids, **options)` ->
 `(advantages, returns)` over `(batch, T)` tensors; trajectory-level rewards sit on the last

@@ -1,4 +1,4 @@
-"""Probe shaping: penalise overconfident reasoning (DESIGN.md 5, TinyZero-PRM's overconf term).
+"""Probe shaping: penalise overconfident reasoning (docs/architecture.md, TinyZero-PRM's overconf term).
 
 overconfidence = sum_k w_k score_k with w = linspace(0.5, -0.5, N+1): high when the model answers
 correctly from truncated reasoning (the reasoning did not matter). With `probe.overconf_coeff`

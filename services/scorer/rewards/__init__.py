@@ -1,5 +1,5 @@
 """Reward library: `compute_score(data_source, solution_str, ground_truth, extra_info=None)`
-with verl's signature (DESIGN.md 9), so reward functions written for verl plug in.
+with verl's signature (docs/architecture.md), so reward functions written for verl plug in.
 
 This entry point runs in the calling process, from any thread: math_verify (and any reward
 marked `isolated`) runs here on the main thread, and in a shared worker-process pool

@@ -1,4 +1,4 @@
-"""Faithfulness-probe scoring (DESIGN.md 5): accuracy of forced answers per truncation.
+"""Faithfulness-probe scoring (docs/architecture.md): accuracy of forced answers per truncation.
 
 Each completion is scored as `suffix + completion` (the suffix opened the answer markup, e.g.
 `<answer>` or `\\boxed{`, so the completion alone would not parse) with format credit 0, and
