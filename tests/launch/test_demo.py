@@ -238,3 +238,59 @@ def test_ctrl_c_stops_every_child(quick_demo, tmp_path):
     time.sleep(0.5)
     assert [name for name, pid in pids.items() if _alive(pid)] == []
     assert (run_dir / "checkpoints" / "latest").exists()  # the learner checkpointed on the way out
+
+
+def _extra_replica(run_dir: Path, name: str, log: Path) -> subprocess.Popen:
+    """One more `forage rollout serve` joining the running job, as a scaled-up Deployment's
+    pod does: the run's own resolved config, its own name and metrics port."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "rollout", "serve", "--config",
+         str(run_dir / "config.yaml"), "--set", f"rollout.name={name}",
+         "--set", "rollout.metrics_port=0"],
+        cwd=ROOT, env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def test_replicas_join_and_leave_mid_run(quick_demo, tmp_path):
+    """Elastic rollout: a run on 1 replica is scaled to 3 mid-run, then back to 1 by SIGTERM
+    of the 2 new replicas while the run still issues groups (a Deployment scale-down). The run
+    completes every step once, no group is lost or trained twice, the staleness bound holds,
+    and each new replica loads the current weights before it plays a group."""
+    steps, staleness = 60, 1  # enough steps (~1 s each) for 2 replicas to start and play
+    config = _drill_config(quick_demo, tmp_path, total_steps=steps, max_staleness=staleness)
+    run_dir = tmp_path / "drill"
+    log = tmp_path / "up.log"
+    proc = _up(config, log)
+    extras: dict[str, tuple[subprocess.Popen, Path]] = {}
+    try:
+        _wait(lambda: len(_steps(run_dir)) >= 1, proc, log, 240, "step 1")
+        for name in ("extra-1", "extra-2"):
+            extra_log = tmp_path / f"{name}.log"
+            extras[name] = (_extra_replica(run_dir, name, extra_log), extra_log)
+        _wait(lambda: all("played" in p[1].read_text() for p in extras.values()), proc, log,
+              240, "both new replicas playing groups")
+        for replica, _ in extras.values():
+            replica.send_signal(signal.SIGTERM)  # while the run still issues groups
+        for replica, extra_log in extras.values():
+            assert replica.wait(timeout=120) == 0, extra_log.read_text()[-3000:]
+        assert len(_steps(run_dir)) < steps, "the run ended before the scale-down"
+        assert proc.wait(timeout=400) == 0, log.read_text()[-4000:] + _dump_logs(run_dir)
+    finally:
+        for replica, _ in extras.values():
+            if replica.poll() is None:
+                replica.kill()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=120)
+    for name, (_, extra_log) in extras.items():
+        text = extra_log.read_text()
+        assert text.index("loaded policy version") < text.index("played"), name
+        assert f"replica {name} stopped" in text, text[-2000:]
+    train = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "train"]
+    assert [m["step"] for m in train] == list(range(1, steps + 1))  # each step once
+    last = train[-1]
+    assert last["groups/dropped_groups"] == 0                      # no group lost
+    assert last["groups/balanced"] == 1 and last["groups/issued"] == (
+        last["groups/trained"] + last["groups/dropped_groups"] + last["groups/in_flight"])
+    assert last["groups/trained"] == steps * 2                      # train_batch_size 2, once each
+    assert max(m["staleness/max"] for m in train) <= staleness
