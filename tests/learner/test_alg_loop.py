@@ -72,6 +72,7 @@ def test_stale_or_failed_baseline_is_reissued_alone():
     # a group without a baseline never asks for one
     plain = GroupLedger(max_staleness=0, train_batch_size=1, timeout_s=1.0)
     plain.issue("p", 2, now=0.0)
+    plain.taken("p", 0.0)  # a replica took it: its timeout runs from here
     assert plain.add(traj(baseline_uid("p"), 0)) == "unknown"
     [late] = plain.poll(5.0).reissue
     assert not late.baseline_missing
