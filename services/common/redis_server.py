@@ -13,13 +13,14 @@ import atexit
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
 
 import redis
+
+from services.common.ports import free_port
 
 log = logging.getLogger("forage.redis")
 
@@ -97,12 +98,6 @@ def redis_server_binary(prefer_system: bool = True) -> str:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_embedded_redis(
     timeout_s: float = 15.0, port: int | None = None, binary: str | None = None
 ) -> RedisServer:
@@ -113,7 +108,7 @@ def start_embedded_redis(
     """
     binary = binary or redis_server_binary()
     workdir = tempfile.mkdtemp(prefix="forage-redis-")
-    port = port or _free_port()
+    port = port or free_port()
     args = [
         binary,
         "--port", str(port),

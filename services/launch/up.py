@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,16 +24,11 @@ from typing import Any
 import yaml
 
 from services.common.config import RunConfig
+from services.common.ports import free_port
 from services.common.threads import child_environ
 from services.launch.supervisor import ServiceFailed, ServiceSpec, Supervisor, forage_argv
 
 log = logging.getLogger("forage.launch")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def resolve_config(cfg: RunConfig, redis_url: str, rollouts: int) -> tuple[RunConfig, list[int]]:

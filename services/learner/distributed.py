@@ -21,19 +21,14 @@ nothing here depends on the node count. Two things do:
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 
+from services.common.ports import free_port
+
 NODE_RANK_ENV = "FORAGE_NODE_RANK"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def ensure_distributed() -> None:
@@ -42,7 +37,7 @@ def ensure_distributed() -> None:
         return
     if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ["RANK"] = "0"
         os.environ["WORLD_SIZE"] = "1"
         os.environ["LOCAL_RANK"] = "0"

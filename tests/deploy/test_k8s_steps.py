@@ -27,6 +27,7 @@ import pytest
 import yaml
 
 from services.common.config import load_config
+from services.common.ports import free_port as _free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "configs/search_r1_nq_hotpotqa.yaml"
@@ -135,14 +136,6 @@ class _Retriever:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_rollout_and_learner_wait_for_a_retriever_that_can_search(deploy, rendered, tmp_path):

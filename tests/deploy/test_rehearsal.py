@@ -26,7 +26,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from services.common.ports import free_port as _free_port
 
 pytestmark = pytest.mark.slow
 
@@ -97,12 +98,6 @@ def data_volume(tmp_path_factory, tiny_policy_dir) -> Path:
 
 
 # ---------------------------------------------------------------- network and mounts
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
 
 class Network:
     """Service names -> SERVICE_ADDRESS, container ports -> free host ports; `redis` -> the

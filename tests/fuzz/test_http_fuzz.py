@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,17 +24,13 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
+from services.common.ports import free_port
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 FORAGE = [sys.executable, "-m", "services.cli"]
 EXAMPLES = {GenerationMode.POSITIVE: 150, GenerationMode.NEGATIVE: 100}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start(args: list[str], health: str, log: Path, timeout: float = 120) -> subprocess.Popen:

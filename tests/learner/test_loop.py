@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,18 +24,13 @@ import redis
 import yaml
 
 from services.common.codec import decode_as, encode
+from services.common.ports import free_port as _free_port
 from services.common.streams import RedisStreams
 from services.common.trajectory import PromptGroup, ScoredTrajectory, Trajectory, Turn
 from services.common.weight_sync import WeightSyncClient
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rows(count: int) -> list[dict]:

@@ -5,23 +5,16 @@ weight-sync server on loopback, real Redis."""
 
 from __future__ import annotations
 
-import socket
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 
 from services.common.config import load_config
+from services.common.ports import free_port as _free_port
 from services.common.weight_sync import WeightSyncClient
 from services.common.weight_sync.notify import version_key
 from services.learner.loop import LearnerLoop
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_a_publish_that_keeps_failing_stops_the_run_and_the_old_version_keeps_serving(

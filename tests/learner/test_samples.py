@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import yaml
 
 from services.common.codec import CodecError, decode, decode_as, encode
 from services.common.formats import doc_refs
+from services.common.ports import free_port as _free_port
 from services.common.streams import RedisStreams
 from services.common.trajectory import (
     Probe,
@@ -171,12 +171,6 @@ def test_sample_log_trims_on_resume_and_moves_old_runs_aside(tmp_path, tiny_poli
 
 
 # ---------------------------------------------------------------- the real learner
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rows(count: int, source: str) -> list[dict]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,8 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+
+from services.common.ports import free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[2]
@@ -91,12 +92,6 @@ def flat_searcher(flat_index):
     from services.retriever.searcher import Searcher
 
     return Searcher.load(flat_index)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_server(args: list[str], port: int, timeout: float = 90.0) -> subprocess.Popen:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.common.ports import free_port as _free_port
+
 
 @pytest.fixture()
 def engine(tiny_policy_dir):
@@ -23,14 +25,6 @@ CORPUS = [
     {"id": "2", "contents": '"Velden"\nVelden was born in Ashby. Velden founded a company in 1914.'},
     {"id": "3", "contents": '"Osric"\nOsric was born in Pellam. Osric founded a company in 1921.'},
 ]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _wait_http(url: str, timeout: float, proc=None) -> None:

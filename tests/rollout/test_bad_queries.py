@@ -5,7 +5,6 @@ the searches."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import httpx
 import pytest
 
 from services.common.formats import information_block
+from services.common.ports import free_port as _free_port
 from services.common.trajectory import PromptGroup
 from services.rollout.agent import AgentLoop, LoopSettings
 from services.rollout.retrieval import QueryRejected, RetrieverClient, RetrieverError
@@ -66,12 +66,6 @@ def spans(mask, value) -> list[tuple[int, int]]:
             out.append((start, i))
             start = None
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

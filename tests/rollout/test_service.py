@@ -17,6 +17,7 @@ import redis
 import yaml
 
 from services.common.codec import decode_as, encode
+from services.common.ports import free_port as _free_port
 from services.common.trajectory import PromptGroup, Trajectory
 
 pytestmark = [
@@ -26,14 +27,6 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def write_config(tmp_path, redis_url, namespace, model_dir, name, **rollout) -> Path:
