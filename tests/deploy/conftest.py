@@ -31,6 +31,12 @@ def deploy():
     return _load_helper("forage_deploy_files", "deploy_files.py")
 
 
+@pytest.fixture(scope="session")
+def keda_rule():
+    """tests/deploy/keda_rule.py: the rollout ScaledObject's rule as KEDA and its HPA apply it."""
+    return _load_helper("forage_keda_rule", "keda_rule.py")
+
+
 def _engine_missing() -> str | None:
     if os.geteuid() != 0:
         return "the private Docker engine needs root"

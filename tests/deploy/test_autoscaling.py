@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import math
-import re
 from pathlib import Path
 
 import pytest
@@ -55,21 +54,6 @@ def replica_capacity(cfg) -> int:
                                                   // max(1, cfg.data.n_samples))
 
 
-def formula_terms(scaled_object: dict) -> list[str]:
-    formula = scaled_object["spec"]["advanced"]["scalingModifiers"]["formula"]
-    assert re.fullmatch(r"\w+( \+ \w+)*", formula), f"only sums of triggers here: {formula!r}"
-    return formula.split(" + ")
-
-
-def desired_replicas(scaled_object: dict, metrics: dict[str, int]) -> int:
-    """What the HPA KEDA makes does with the formula's value (AverageValue: ceil(value /
-    target)), clamped to the ScaledObject's bounds."""
-    spec = scaled_object["spec"]
-    value = sum(metrics[name] for name in formula_terms(scaled_object))
-    wanted = math.ceil(value / float(spec["advanced"]["scalingModifiers"]["target"]))
-    return max(spec["minReplicaCount"], min(spec["maxReplicaCount"], wanted))
-
-
 def test_scaled_object_validates_against_kedas_schema_strictly(deploy, scaled):
     assert deploy.k8s_errors([scaled]) == []
     for mutate, expected in [
@@ -92,9 +76,10 @@ def test_scaled_object_targets_the_unpinned_rollout_deployment(deploy, rendered,
     assert not deploy.by_kind(rendered, "HorizontalPodAutoscaler"), "two autoscalers"
 
 
-def test_triggers_read_the_runs_prompts_stream_from_kedas_namespace(scaled, run_config):
+def test_triggers_read_the_runs_prompts_stream_from_kedas_namespace(scaled, run_config,
+                                                                     keda_rule):
     triggers = {t["name"]: t for t in scaled["spec"]["triggers"]}
-    assert set(formula_terms(scaled)) == set(triggers)
+    assert set(keda_rule.formula_terms(scaled)) == set(triggers)
     capacity = replica_capacity(run_config)
     url = redis.connection.parse_url(run_config.redis.url)
     namespace = yaml.safe_load((REPO / "kustomization.yaml").read_text())["namespace"]
@@ -123,20 +108,20 @@ def test_prometheus_adapter_alternative_validates_and_uses_the_same_target(deplo
     assert float(metric["external"]["target"]["averageValue"]) == replica_capacity(run_config)
 
 
-def test_the_rule_follows_the_work_on_a_real_stream(redis_url, namespace, scaled, run_config):
+def test_the_rule_follows_the_work_on_a_real_stream(redis_url, namespace, scaled, run_config,
+                                                    keda_rule):
     """A step's groups are published by Forage's stream code, replicas take their share, and
     the lag / pending KEDA reads give the replicas the formula asks for."""
     triggers = {t["name"]: t["metadata"] for t in scaled["spec"]["triggers"]}
     capacity = replica_capacity(run_config)
     client = redis.Redis.from_url(redis_url)
     streams = RedisStreams(client, namespace, stream_maxlen=10_000)
-    key, group = stream_key(namespace, "prompts"), CONSUMER_GROUPS["prompts"]
+    key = stream_key(namespace, "prompts")
 
     def keda_metrics() -> dict[str, int]:
-        (info,) = [g for g in client.xinfo_groups(key) if g["name"].decode() == group]
-        pending = client.xpending(key, group)["pending"]
-        return {name: int(info["lag"]) if "lagCount" in meta else int(pending)
-                for name, meta in triggers.items()}
+        return keda_rule.trigger_metrics(client, scaled, key)
+
+    desired_replicas = keda_rule.desired_replicas
 
     try:
         groups = run_config.learner.train_batch_size  # one step's prompt groups
@@ -159,3 +144,24 @@ def test_the_rule_follows_the_work_on_a_real_stream(redis_url, namespace, scaled
         assert desired_replicas(scaled, keda_metrics()) == scaled["spec"]["minReplicaCount"]
     finally:
         streams.close()
+
+
+def test_the_hpa_behaviour_holds_replicas_through_the_window_then_drops_one_per_period(
+        scaled, run_config, keda_rule):
+    """The manifest's behaviour, at 1/60 of real time: a burst scales up at once; when the
+    work goes, the count holds for the scale-down window and then falls one pod per period."""
+    spec = scaled["spec"]
+    behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
+    window = behavior["stabilizationWindowSeconds"] / 60
+    period = behavior["policies"][0]["periodSeconds"] / 60
+    capacity = replica_capacity(run_config)
+    (lag,) = [t["name"] for t in spec["triggers"] if "lagCount" in t["metadata"]]
+    (pending,) = [t["name"] for t in spec["triggers"] if "pendingEntriesCount" in t["metadata"]]
+    scaler = keda_rule.Autoscaler(scaled, replicas=1, time_scale=1 / 60)
+    assert scaler.poll(0.0, {lag: 2 * capacity, pending: capacity}) == 3
+    idle = {lag: 0, pending: 0}
+    assert scaler.poll(window - 0.1, idle) == 3            # inside the window: held
+    assert scaler.poll(window + 0.1, idle) == 2            # one pod ...
+    assert scaler.poll(window + 0.2, idle) == 2            # ... per policy period
+    assert scaler.poll(window + 0.1 + period + 0.01, idle) == 1
+    assert scaler.poll(window + 10 * period, idle) == spec["minReplicaCount"]

@@ -7,6 +7,7 @@ session and reused by the drills, which run their own `forage up` on it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -18,6 +19,8 @@ from pathlib import Path
 import pytest
 import redis
 import yaml
+
+from services.common.streams import stream_key
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,7 +116,8 @@ def _up(config: Path, log: Path) -> subprocess.Popen:
                             stderr=subprocess.STDOUT)
 
 
-def _drill_config(quick_demo, tmp_path: Path, **learner) -> Path:
+def _drill_config(quick_demo, tmp_path: Path, rollout: dict | None = None,
+                  data: dict | None = None, **learner) -> Path:
     out, proc, _ = quick_demo
     assert proc.returncode == 0, "the quick demo failed; see its test"
     cfg = yaml.safe_load((out / "config.yaml").read_text())
@@ -126,6 +130,8 @@ def _drill_config(quick_demo, tmp_path: Path, **learner) -> Path:
     cfg["retriever"]["port"] = 0
     cfg["scorer"].update({"port": 0, "metrics_port": 0})
     cfg["redis"]["visibility_timeout_s"] = 5
+    cfg["rollout"].update(rollout or {})
+    cfg["data"].update(data or {})
     path = tmp_path / "drill.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -250,41 +256,94 @@ def _extra_replica(run_dir: Path, name: str, log: Path) -> subprocess.Popen:
         cwd=ROOT, env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
-def test_replicas_join_and_leave_mid_run(quick_demo, tmp_path):
-    """Elastic rollout: a run on 1 replica is scaled to 3 mid-run, then back to 1 by SIGTERM
-    of the 2 new replicas while the run still issues groups (a Deployment scale-down). The run
-    completes every step once, no group is lost or trained twice, the staleness bound holds,
-    and each new replica loads the current weights before it plays a group."""
-    steps, staleness = 60, 1  # enough steps (~1 s each) for 2 replicas to start and play
-    config = _drill_config(quick_demo, tmp_path, total_steps=steps, max_staleness=staleness)
+def _deploy_helper(name: str, file: str):
+    """A helper module of tests/deploy, loaded by path (importlib mode: no shared imports)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "tests" / "deploy" / file)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def test_replicas_follow_the_shipped_autoscaling_rule_mid_run(quick_demo, tmp_path, redis_url):
+    """Elastic rollout, driven by the rule Kubernetes would apply: the KEDA ScaledObject of the
+    rendered manifests (deploy/k8s/rollout-keda.yaml: its formula, bounds, polling interval
+    and scale-down behaviour, all durations at 1/60) reads the real prompts stream of a running
+    `forage up` and starts or SIGTERMs `forage rollout serve` replicas as a Deployment scaled
+    by it would. An evaluation of 48 questions before the first step asks for 3 replicas; the
+    training that follows (2 groups a step, within one replica's capacity) for 1, so the 2 new
+    replicas are stopped mid-run once the window has passed. The run completes every step once,
+    no group is lost or trained twice, the staleness bound holds, and each new replica loads
+    the current weights before it plays a group."""
+    keda_rule = _deploy_helper("forage_keda_rule", "keda_rule.py")
+    deploy_files = _deploy_helper("forage_deploy_files", "deploy_files.py")
+    (scaled,) = [o for o in deploy_files.render() if o["kind"] == "ScaledObject"]
+    steps, staleness, max_batch, n_samples = 40, 0, 4, 2
+    capacity = max_batch // n_samples  # groups a replica plays at once (the worker's rule)
+    out = quick_demo[0]
+    train_files = yaml.safe_load((out / "config.yaml").read_text())["data"]["train_files"]
+    config = _drill_config(
+        quick_demo, tmp_path, total_steps=steps, max_staleness=staleness, eval_before=True,
+        eval_every=0, eval_max_questions=48, eval_max_in_flight=0,
+        rollout={"max_batch_size": max_batch},
+        data={"n_samples": n_samples, "test_files": train_files, "max_test_items": 48})
+    cfg = yaml.safe_load(config.read_text())
+    key = stream_key(cfg["redis"]["namespace"], "prompts")
+    client = redis.Redis.from_url(redis_url)
+    scaler = keda_rule.Autoscaler(scaled, replicas=1, time_scale=1 / 60, target=capacity,
+                                  max_replicas=3)
     run_dir = tmp_path / "drill"
     log = tmp_path / "up.log"
     proc = _up(config, log)
-    extras: dict[str, tuple[subprocess.Popen, Path]] = {}
+    started: list[tuple[str, subprocess.Popen, Path]] = []
+    running: list[tuple[str, subprocess.Popen, Path]] = []
+    polls: list[tuple[float, dict[str, int], int]] = []
+    stopped_at_step: list[int] = []
+    t0 = time.monotonic()
     try:
-        _wait(lambda: len(_steps(run_dir)) >= 1, proc, log, 240, "step 1")
-        for name in ("extra-1", "extra-2"):
-            extra_log = tmp_path / f"{name}.log"
-            extras[name] = (_extra_replica(run_dir, name, extra_log), extra_log)
-        _wait(lambda: all("played" in p[1].read_text() for p in extras.values()), proc, log,
-              240, "both new replicas playing groups")
-        for replica, _ in extras.values():
-            replica.send_signal(signal.SIGTERM)  # while the run still issues groups
-        for replica, extra_log in extras.values():
+        while proc.poll() is None and time.monotonic() - t0 < 400:
+            try:
+                metrics = keda_rule.trigger_metrics(client, scaled, key)
+            except redis.ResponseError:  # the stream or group does not exist yet
+                metrics = {t["name"]: 0 for t in scaled["spec"]["triggers"]}
+            wanted = scaler.poll(time.monotonic() - t0, metrics)
+            polls.append((round(time.monotonic() - t0, 1), metrics, wanted))
+            while 1 + len(running) < wanted:  # rollout-0 is forage up's own replica
+                name = f"extra-{len(started) + 1}"
+                extra_log = tmp_path / f"{name}.log"
+                started.append((name, _extra_replica(run_dir, name, extra_log), extra_log))
+                running.append(started[-1])
+            while 1 + len(running) > wanted:  # a scale-down removes the newest pod
+                _, replica, _ = running.pop()
+                replica.send_signal(signal.SIGTERM)
+                stopped_at_step.append(len(_steps(run_dir)))
+            if started and not running and scaler.replicas == 1:
+                break  # scaled up and back down: let the run finish
+            time.sleep(scaler.polling_s)
+        trace = "\n".join(map(str, polls[-40:]))
+        assert len(started) == 2, f"the rule never asked for 3 replicas:\n{trace}"
+        assert not running, f"the rule never scaled back down before the run ended:\n{trace}"
+        for _, replica, extra_log in started:
             assert replica.wait(timeout=120) == 0, extra_log.read_text()[-3000:]
-        assert len(_steps(run_dir)) < steps, "the run ended before the scale-down"
+        assert max(stopped_at_step) < steps, "the run ended before the scale-down"
         assert proc.wait(timeout=400) == 0, log.read_text()[-4000:] + _dump_logs(run_dir)
     finally:
-        for replica, _ in extras.values():
+        for _, replica, _ in started:
             if replica.poll() is None:
                 replica.kill()
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=120)
-    for name, (_, extra_log) in extras.items():
+    played = 0
+    for name, _, extra_log in started:
         text = extra_log.read_text()
-        assert text.index("loaded policy version") < text.index("played"), name
+        assert "loaded policy version" in text, name
+        if "played" in text:
+            played += 1
+            assert text.index("loaded policy version") < text.index("played"), name
         assert f"replica {name} stopped" in text, text[-2000:]
+    assert played >= 1, "no new replica played a group before the scale-down"
     train = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
              if json.loads(line)["kind"] == "train"]
     assert [m["step"] for m in train] == list(range(1, steps + 1))  # each step once
