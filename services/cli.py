@@ -38,6 +38,7 @@ COMMAND_GROUPS: dict[str, tuple[str, str]] = {
     "score": ("services.scorer.cli_score", "score one solution, for debugging"),
     "report": ("services.launch.cli_report", "plots and a summary of a run"),
     "inspect": ("services.launch.cli_inspect", "read the trajectories a run logged"),
+    "eval": ("services.eval.cli", "Search-R1's evaluation: EM/F1 per dataset, direct/rag/agent"),
     "streams": ("services.launch.cli_streams", "dead-lettered messages, decoded, with reasons"),
     "config": ("services.common.cli_config", "the merged config of --config files + overrides"),
     "doctor": ("services.common.cli_doctor", "check this node's driver, CUDA, torch, vLLM, faiss"),

@@ -1,0 +1,114 @@
+"""`forage eval`: Search-R1's evaluation of one or more models in one or more modes.
+
+    forage eval --model DIR [--model DIR ...] --data FILE [--data FILE ...]
+                --mode direct|rag|agent [--mode ...] [--index DIR | --retriever-url URL]
+                --out OUT [--retrieval live|record|replay] [--limit N] ...
+
+Writes OUT/eval.json, OUT/eval.md and OUT/samples.jsonl (docs/eval.md). Torch and the engine
+are imported by the handler only, so `forage eval --help` stays quick. A user mistake is one
+line on stderr and exit code 2; a retriever that stops answering mid-run is exit code 75 (run
+the same command again: finished questions are kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from services.eval.prompts import MODES
+
+RETRIEVAL_MODES = ("live", "record", "replay")
+
+
+def _modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"unknown mode {', '.join(bad) or repr(text)} "
+                                         f"(choose from {', '.join(MODES)})")
+    return modes
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
+    return value
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--model", action="append", required=True, metavar="DIR",
+        help="HF model directory (repeat for several models; each is a block of table rows)")
+    add("--data", action="append", required=True, metavar="FILE",
+        help="questions: Search-R1/verl parquet, FlashRAG .jsonl, or `forage data synth`'s "
+             "test.parquet (repeat for several files)")
+    add("--mode", action="append", type=_modes, required=True, metavar="MODE",
+        help="direct, rag or agent; repeat or comma-separate for several")
+    add("--out", required=True, help="output directory (a rerun with it resumes)")
+    add("--index", default=None, metavar="DIR",
+        help="index to search in this process; with --retriever-url, or with --retrieval "
+             "replay, only its identity is read (from its manifest)")
+    add("--retriever-url", default=None, metavar="URL",
+        help="a running retriever's /retrieve URL (`forage retriever serve`)")
+    add("--retrieval", choices=RETRIEVAL_MODES, default="live",
+        help="live (default), record (store every result under OUT), replay (from the store, "
+             "no index or retriever needed)")
+    add("--store", default=None, metavar="FILE",
+        help="the retrieval store (default OUT/retrieval.sqlite)")
+    add("--data-source", default=None,
+        help="data source of FlashRAG files (default: implied by the path, nq/test.jsonl -> nq)")
+    add("--limit", type=_positive, default=None, help="at most N questions per data source")
+    add("--topk", type=_positive, default=3, help="passages per search (default 3)")
+    add("--max-turns", type=_positive, default=4, help="agent search rounds (default 4)")
+    add("--max-tokens-per-turn", type=_positive, default=500)
+    add("--max-obs-length", type=_positive, default=500)
+    add("--max-response-length", type=_positive, default=2048)
+    add("--max-prompt-length", type=_positive, default=4096)
+    add("--batch-size", type=_positive, default=32, help="questions played together")
+    add("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    add("--top-p", type=float, default=1.0)
+    add("--top-k", type=int, default=0)
+    add("--seed", type=int, default=0, help="sampling seed")
+    add("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    add("--dtype", default="auto", help="auto (float32 on CPU), bfloat16, float16, float32")
+    parser.set_defaults(handler=_handle)
+
+
+def _handle(args: argparse.Namespace) -> int:
+    from services.common.cli_errors import TEMPORARY_FAILURE, USAGE_ERROR
+    from services.common.config import ConfigError
+    from services.eval.evaluate import EvalError, EvalRequest, run
+    from services.eval.runner import EvalSettings, PlayError
+
+    modes = list(dict.fromkeys(m for group in args.mode for m in group))
+    if args.temperature < 0:
+        print("forage eval: error: --temperature must be 0 (greedy) or above", file=sys.stderr)
+        return USAGE_ERROR
+    settings = EvalSettings(
+        topk=args.topk, max_turns=args.max_turns, max_tokens_per_turn=args.max_tokens_per_turn,
+        max_obs_length=args.max_obs_length, max_response_length=args.max_response_length,
+        max_prompt_length=args.max_prompt_length, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, seed=args.seed, batch_size=args.batch_size)
+    request = EvalRequest(models=args.model, data=args.data, modes=modes, out=args.out,
+                          index=args.index, retriever_url=args.retriever_url,
+                          retrieval=args.retrieval, store=args.store,
+                          data_source=args.data_source, limit=args.limit, device=args.device,
+                          dtype=args.dtype, settings=settings)
+    try:
+        doc = run(request)
+    except (EvalError, ConfigError) as exc:
+        print(f"forage eval: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    except PlayError as exc:
+        print(f"forage eval: error: {exc}", file=sys.stderr)
+        return TEMPORARY_FAILURE
+    for row in doc["rows"]:
+        print(f"{row['label']}: EM {row['em']['average']:.3f} (average over "
+              f"{len(row['em']) - 2} data source(s)), {row['n']['all']} questions, searches/q "
+              f"{row['searches']['all']:.2f}")
+    print(f"wrote {args.out}/eval.json, eval.md, samples.jsonl (forage inspect {args.out})")
+    return 0

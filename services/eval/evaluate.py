@@ -1,0 +1,210 @@
+"""One `forage eval` run: check the inputs, pick the retrieval backend, play, report.
+
+Everything a user can get wrong (a missing file, a mode that needs an index without one, a
+store recorded on another index, OUT holding another config) is checked before any model
+loads and raised as EvalError, which the CLI prints as one line with exit code 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.eval import report
+from services.eval.data import load_questions
+from services.eval.results import ConfigMismatch, SampleWriter, check_config, read_samples
+from services.eval.retrieval import (
+    STORE_FILE,
+    UNKNOWN_INDEX,
+    Backend,
+    Http,
+    InProcess,
+    Recording,
+    Replay,
+    RetrievalError,
+    Store,
+    read_identity,
+    replay_identity,
+)
+from services.eval.runner import EvalSettings, Row, play_row
+from services.tasks.datasets import DatasetError
+
+RETRIEVAL_MODES = ("live", "record", "replay")
+
+
+class EvalError(ValueError):
+    """A user mistake or an input that cannot be evaluated; the message says which."""
+
+
+@dataclass
+class EvalRequest:
+    models: list[str]
+    data: list[str]
+    modes: list[str]
+    out: str
+    index: str | None = None
+    retriever_url: str | None = None
+    retrieval: str = "live"
+    store: str | None = None
+    data_source: str | None = None
+    limit: int | None = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    settings: EvalSettings = field(default_factory=EvalSettings)
+    # Called with each engine once loaded: tests script some turns through the engine's own
+    # `forced_tokens` hook (a tiny random policy never searches on its own).
+    prepare_engine: Callable[[Any], None] | None = None
+
+
+def _file_checksum(path: str) -> str:
+    import xxhash
+
+    digest = xxhash.xxh3_64()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return f"xxh3_64:{digest.hexdigest()}"
+
+
+def _labels(models: list[str]) -> list[str]:
+    """Each model's short name in the table: its directory name, the whole path on a clash."""
+    names = [Path(m).resolve().name or m for m in models]
+    return [name if names.count(name) == 1 else m for name, m in zip(names, models, strict=True)]
+
+
+def _check_models(models: list[str]) -> list[dict[str, str]]:
+    from services.common.model_identity import model_fingerprint
+    from services.common.paths import require_model_dir
+
+    found = []
+    for model in models:
+        require_model_dir(model, "--model")
+        try:
+            found.append({"path": model, "fingerprint": model_fingerprint(model)})
+        except FileNotFoundError as exc:
+            raise EvalError(f"--model: {exc}") from None
+    return found
+
+
+def _identity(request: EvalRequest, needs_search: bool
+              ) -> tuple[str | None, dict[str, Any], Store | None]:
+    """(index identity, retriever settings, replay store) for the modes asked, checked before
+    anything is loaded or written; (None, {}, None) when no mode searches."""
+    if not needs_search:
+        return None, {}, None
+    if request.retrieval == "replay":
+        if request.retriever_url:
+            raise EvalError("--retrieval replay answers from the store alone; drop "
+                            "--retriever-url (--index only checks the index identity)")
+        store = Store(_store_path(request), create=False)
+        try:
+            identity, settings = replay_identity(store, request.index)
+        except RetrievalError:
+            store.close()
+            raise
+        return identity, settings, store
+    if not request.index and not request.retriever_url:
+        raise EvalError("modes rag and agent search: pass --index DIR (loaded here) or "
+                        "--retriever-url URL (a running `forage retriever serve`), or "
+                        "--retrieval replay with a recorded store")
+    if request.index:
+        identity, settings = read_identity(request.index)
+    else:
+        identity, settings = UNKNOWN_INDEX, {}
+    if request.retrieval == "record" and identity == UNKNOWN_INDEX:
+        raise EvalError("--retrieval record keys results by the index's identity: with "
+                        "--retriever-url also pass --index DIR of the index it serves (only its "
+                        "manifest is read)")
+    return identity, settings, None
+
+
+def _store_path(request: EvalRequest) -> Path:
+    return Path(request.store) if request.store else Path(request.out) / STORE_FILE
+
+
+def _backend(request: EvalRequest, identity: str | None, settings: dict[str, Any],
+             replay_store: Store | None) -> tuple[Backend | None, Store | None]:
+    """The backend that answers searches, and the store it writes or reads (to close)."""
+    if identity is None:
+        return None, None
+    topk = request.settings.topk
+    if replay_store is not None:
+        return Replay(replay_store, identity, settings, topk), replay_store
+    live: Backend = (Http(request.retriever_url, topk, request.index) if request.retriever_url
+                     else InProcess(request.index, topk))
+    if request.retrieval == "record":
+        store = Store(_store_path(request), create=True)
+        return Recording(live, store, identity, settings, topk), store
+    return live, None
+
+
+def run(request: EvalRequest) -> dict[str, Any]:
+    """Evaluate every model in every mode; returns the eval.json document."""
+    if request.retrieval not in RETRIEVAL_MODES:
+        raise EvalError(f"--retrieval must be one of {', '.join(RETRIEVAL_MODES)}")
+    try:
+        questions = load_questions(request.data, request.data_source, request.limit)
+    except DatasetError as exc:
+        raise EvalError(str(exc)) from None
+    models = _check_models(request.models)
+    needs_search = any(mode in ("rag", "agent") for mode in request.modes)
+    try:
+        index_id, settings, replay_store = _identity(request, needs_search)
+    except RetrievalError as exc:
+        raise EvalError(str(exc)) from None
+    out = Path(request.out)
+    config = {
+        "models": models,
+        "data": [{"path": path, "checksum": _file_checksum(path)} for path in request.data],
+        "data_source": request.data_source, "limit": request.limit, "modes": request.modes,
+        "settings": request.settings.as_dict(), "index": index_id,
+        "questions": len(questions),
+    }
+    try:
+        check_config(out, config)
+        backend, store = _backend(request, index_id, settings, replay_store)
+    except (ConfigMismatch, RetrievalError) as exc:
+        if replay_store is not None:
+            replay_store.close()
+        raise EvalError(str(exc)) from None
+    labels = _labels(request.models)
+    rows = [Row(m * len(request.modes) + k, f"{labels[m]} · {mode}", request.models[m], mode)
+            for m in range(len(request.models)) for k, mode in enumerate(request.modes)]
+    done = {(line["row"], line["qid"]) for line in read_samples(out)}
+    writer = SampleWriter(out)
+    try:
+        for model_number, model in enumerate(request.models):
+            mine = rows[model_number * len(request.modes):(model_number + 1)
+                        * len(request.modes)]
+            todo = {row.label: [q for q in questions if (row.label, q.qid) not in done]
+                    for row in mine}
+            if not any(todo.values()):
+                continue
+            engine = _engine(model, request)
+            if request.prepare_engine is not None:
+                request.prepare_engine(engine)
+            for row in mine:
+                try:
+                    play_row(engine, row, todo[row.label], len(questions), request.settings,
+                             backend, index_id, writer.write)
+                except RetrievalError as exc:
+                    raise EvalError(str(exc)) from None
+            del engine
+    finally:
+        writer.close()
+        if store is not None:
+            store.close()
+    doc = report.build(config, [(r.label, r.model_dir, r.mode) for r in rows], read_samples(out))
+    report.write(out, doc)
+    return doc
+
+
+def _engine(model: str, request: EvalRequest) -> Any:
+    from services.rollout.transformers_engine import TransformersEngine
+
+    return TransformersEngine.from_pretrained(
+        model, device=request.device, dtype=request.dtype,
+        max_batch_size=request.settings.batch_size, seed=request.settings.seed)
+

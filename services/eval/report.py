@@ -1,0 +1,160 @@
+"""eval.json and eval.md from the per-question lines (pure but for writing the two files).
+
+Rows are model x mode, columns the data sources in Search-R1's paper order (NQ, TriviaQA,
+PopQA, HotpotQA, 2Wiki, Musique, Bamboogle; other sources after them by name), then the
+average. As in the paper the average is the unweighted mean of the per-source EMs; eval.json
+also keeps the pooled mean over all questions (`all`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from services.common.data_sources import SEARCH_R1_QA
+from services.eval import stats
+
+INTERVALS = {
+    "em": "Wilson score interval, 95%",
+    "subem": "Wilson score interval, 95%",
+    "f1": (f"percentile bootstrap of the mean, 95%, {stats.BOOTSTRAP_RESAMPLES} resamples, "
+           f"seed {stats.BOOTSTRAP_SEED}"),
+    "comparison": "exact McNemar (two-sided binomial sign test on the discordant questions)",
+}
+PAPER_NAMES = {"nq": "NQ", "triviaqa": "TriviaQA", "popqa": "PopQA", "hotpotqa": "HotpotQA",
+               "2wikimultihopqa": "2wiki", "musique": "Musique", "bamboogle": "Bamboogle"}
+
+
+def source_order(sources: Sequence[str]) -> list[str]:
+    def key(source: str) -> tuple[int, str]:
+        bare = source.removeprefix("searchR1_")
+        return (SEARCH_R1_QA.index(bare) if bare in SEARCH_R1_QA else len(SEARCH_R1_QA), source)
+
+    return sorted(set(sources), key=key)
+
+
+def _r(value: float) -> float:
+    return round(float(value), 6)
+
+
+def _metric(lines: list[dict[str, Any]], name: str) -> tuple[float, list[float]]:
+    values = [float(line[name]) for line in lines]
+    if name == "f1":
+        low, high = stats.bootstrap_interval(values)
+    else:
+        low, high = stats.wilson_interval(sum(1 for v in values if v >= 1), len(values))
+    return _r(stats.mean(values)), [_r(low), _r(high)]
+
+
+def summarise_row(label: str, model: str, mode: str, lines: list[dict[str, Any]],
+                  sources: list[str]) -> dict[str, Any]:
+    """One table row: EM, sub-EM, F1 (with intervals) per source, the macro average and the
+    pooled value, and the behaviour figures."""
+    out: dict[str, Any] = {"label": label, "model": model, "mode": mode, "n": {}}
+    for name in ("em", "subem", "f1"):
+        out[name], out[f"{name}_ci"] = {}, {}
+    for field in ("searches", "turns", "response_tokens"):
+        out[field] = {}
+    groups = {source: [x for x in lines if x["data_source"] == source] for source in sources}
+    groups = {source: members for source, members in groups.items() if members}
+    for source, members in [*groups.items(), ("all", lines)]:
+        out["n"][source] = len(members)
+        for name in ("em", "subem", "f1"):
+            out[name][source], out[f"{name}_ci"][source] = _metric(members, name)
+        out["searches"][source] = _r(stats.mean([x["num_searches"] for x in members]))
+        out["turns"][source] = _r(stats.mean([x["turns_count"] for x in members]))
+        out["response_tokens"][source] = _r(stats.mean([x["response_tokens"] for x in members]))
+    for name in ("em", "subem", "f1"):
+        out[name]["average"] = _r(stats.mean([out[name][s] for s in groups]))
+    reasons: dict[str, int] = {}
+    for line in lines:
+        reasons[line["finish_reason"]] = reasons.get(line["finish_reason"], 0) + 1
+    out["finish_reasons"] = dict(sorted(reasons.items()))
+    return out
+
+
+def compare(a: dict[str, Any], b: dict[str, Any], lines: dict[str, list[dict[str, Any]]],
+            sources: list[str]) -> dict[str, Any]:
+    """Paired EM comparison of rows a and b on the questions both answered."""
+    left = {x["qid"]: x for x in lines[a["label"]]}
+    right = {x["qid"]: x for x in lines[b["label"]]}
+    shared = [qid for qid in left if qid in right]
+    result: dict[str, Any] = {"a": a["label"], "b": b["label"]}
+    for source in [*sources, "all"]:
+        qids = [q for q in shared if source == "all" or left[q]["data_source"] == source]
+        if qids:
+            result[source] = stats.paired([left[q]["em"] for q in qids],
+                                          [right[q]["em"] for q in qids])
+            result[source]["difference"] = _r(result[source]["difference"])
+    return result
+
+
+def build(config: dict[str, Any], rows: list[tuple[str, str, str]],
+          lines: list[dict[str, Any]]) -> dict[str, Any]:
+    """The eval.json document. `rows` = (label, model, mode) in table order."""
+    sources = source_order([x["data_source"] for x in lines])
+    by_row: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in rows}
+    for line in lines:
+        if line["row"] in by_row:
+            by_row[line["row"]].append(line)
+    for members in by_row.values():
+        members.sort(key=lambda x: x["qid"])
+    summaries = [summarise_row(label, model, mode, by_row[label], sources)
+                 for label, model, mode in rows if by_row[label]]
+    comparisons = [compare(summaries[i], summaries[j], by_row, sources)
+                   for i in range(len(summaries)) for j in range(i + 1, len(summaries))]
+    return {"config": config, "data_sources": sources, "intervals": INTERVALS,
+            "rows": summaries, "comparisons": comparisons}
+
+
+def _cell(row: dict[str, Any], source: str) -> str:
+    return f"{row['em'][source]:.3f}" if source in row["em"] else "–"
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """Search-R1's table shape: methods as rows, datasets as columns, then the average."""
+    sources = doc["data_sources"]
+    names = [PAPER_NAMES.get(s.removeprefix("searchR1_"), s) for s in sources]
+    lines = ["# forage eval", "",
+             "Exact match (EM) per dataset; Avg. is the unweighted mean over datasets.", "",
+             "| Method | " + " | ".join(names) + " | Avg. |",
+             "|---|" + "---:|" * (len(sources) + 1)]
+    for row in doc["rows"]:
+        lines.append(f"| {row['label']} | " + " | ".join(_cell(row, s) for s in sources)
+                     + f" | {row['em']['average']:.3f} |")
+    lines += ["", "Per row, over all questions (95% intervals: EM and sub-EM Wilson, F1 "
+              "bootstrap):", "",
+              "| Method | n | EM | sub-EM | F1 | searches/q | turns/q | response tokens/q |",
+              "|---|---:|---|---|---|---:|---:|---:|"]
+    for row in doc["rows"]:
+        def ci(name: str, row: dict[str, Any] = row) -> str:
+            low, high = row[f"{name}_ci"]["all"]
+            return f"{row[name]['all']:.3f} [{low:.3f}, {high:.3f}]"
+
+        lines.append(f"| {row['label']} | {row['n']['all']} | {ci('em')} | {ci('subem')} | "
+                     f"{ci('f1')} | {row['searches']['all']:.2f} | {row['turns']['all']:.2f} | "
+                     f"{row['response_tokens']['all']:.1f} |")
+    if doc["comparisons"]:
+        lines += ["", "Paired comparisons on the same questions (EM; exact McNemar test):", "",
+                  "| A | B | n | A right only | B right only | EM A − B | p |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        for pair in doc["comparisons"]:
+            every = pair.get("all")
+            if every:
+                lines.append(f"| {pair['a']} | {pair['b']} | {every['n']} | {every['a_only']} | "
+                             f"{every['b_only']} | {every['difference']:+.3f} | "
+                             f"{every['p_value']:.4g} |")
+    return "\n".join(lines) + "\n"
+
+
+def write(out: Path, doc: dict[str, Any]) -> tuple[Path, Path]:
+    paths = (out / "eval.json", out / "eval.md")
+    for path, text in zip(paths, (json.dumps(doc, indent=1, sort_keys=True) + "\n",
+                                  markdown(doc)), strict=True):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    return paths

@@ -1,0 +1,187 @@
+"""Plays evaluation questions through the transformers engine and the agent loop, in process.
+
+One engine per model; for each mode, the questions not yet in OUT/samples.jsonl are played in
+batches of `batch_size` questions. Each batch runs the agent loop in `lockstep` scheduling
+(every trajectory takes turn t, then one retrieval call for all, then turn t+1): what the
+engine batches together then depends only on the questions and the model's outputs, never on
+how fast the retriever answered, so a replayed run sees exactly the batches, and produces
+exactly the tokens, of the run it replays. `direct` and `rag` are single-turn plays of the same
+loop (no search executed, the turn stops at `</answer>`). Every question is written as soon as
+it finishes, which is what makes an interrupted run resumable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from services.common.formats import doc_refs
+from services.common.trajectory import PromptGroup, ScoredTrajectory, Trajectory
+from services.eval.data import Question
+from services.eval.prompts import direct_prompt, rag_prompt
+from services.eval.retrieval import Backend
+from services.eval.stats import score_response
+from services.rollout.retrieval import QueryRejected, RetrieverError
+
+
+class PlayError(RuntimeError):
+    """A question could not be played (the retriever went away, the engine refused it)."""
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """Generation and retrieval settings: part of the config a resumed run must match."""
+
+    topk: int = 3
+    max_turns: int = 4
+    max_tokens_per_turn: int = 500
+    max_obs_length: int = 500
+    max_response_length: int = 2048
+    max_prompt_length: int = 4096
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    batch_size: int = 32
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of the table: a model played in one mode."""
+
+    number: int
+    label: str
+    model_dir: str
+    mode: str
+
+
+def _loop_settings(settings: EvalSettings, mode: str) -> Any:
+    from services.rollout.agent import LoopSettings
+
+    agent = mode == "agent"
+    return LoopSettings(
+        max_turns=settings.max_turns, max_tokens_per_turn=settings.max_tokens_per_turn,
+        max_obs_length=settings.max_obs_length, max_response_length=settings.max_response_length,
+        max_prompt_length=settings.max_prompt_length, use_search=agent,
+        temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
+        stop_strings=("</search>", "</answer>") if agent else ("</answer>",),
+        scheduling="lockstep")
+
+
+def sample_line(row: Row, question: Question, trajectory: Trajectory, tokenizer: Any,
+                index_id: str | None, rag_docs: list[dict[str, str]] | None) -> dict[str, Any]:
+    """One samples.jsonl line: the learner's decoded-sample fields (so `forage inspect` reads
+    it) plus the row, the question id and the three scores. No wall-clock field: a replayed
+    run writes identical lines."""
+    from services.learner.samples import sample_row
+
+    ids = [int(t) for t in trajectory.response_ids]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    scores = score_response(text, question.ground_truth)
+    scored = ScoredTrajectory(trajectory, reward=scores["em"], reward_components=scores)
+    line = sample_row(scored, tokenizer, step=row.number, kind="eval")
+    line.pop("time", None)
+    for turn in line["turns"]:
+        if turn["action"] == "search" and turn["docs"]:
+            turn["index"] = index_id
+    line.update({
+        "row": row.label, "model": row.model_dir, "mode": row.mode, "qid": question.qid,
+        "question": question.question, **scores,
+        "turns_count": len(trajectory.turns), "response_sha256":
+            hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest(),
+    })
+    if rag_docs is not None:
+        line["rag_docs"] = rag_docs
+        line["index"] = index_id
+    return line
+
+
+class Progress:
+    """One progress line on stderr: rewritten in place on a terminal, one line per batch
+    otherwise (a log file should not fill with carriage returns)."""
+
+    def __init__(self, label: str, total: int, done: int) -> None:
+        self.label, self.total, self.done = label, total, done
+        self.started, self.played, self.correct = time.monotonic(), 0, 0.0
+        self.tty = sys.stderr.isatty()
+
+    def add(self, em: float) -> None:
+        self.done += 1
+        self.played += 1
+        self.correct += em
+
+    def show(self, final: bool = False) -> None:
+        rate = self.played / max(time.monotonic() - self.started, 1e-9)
+        em = self.correct / self.played if self.played else 0.0
+        line = (f"forage eval: {self.label}: {self.done}/{self.total} questions, "
+                f"EM {em:.3f} (this run), {rate:.2f} q/s")
+        if self.tty:
+            sys.stderr.write("\r" + line + ("\n" if final else ""))
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+def play_row(engine: Any, row: Row, questions: Sequence[Question], total: int,
+             settings: EvalSettings, backend: Backend | None, index_id: str | None,
+             write: Callable[[list[dict[str, Any]]], None]) -> None:
+    """Play `questions` (those of the row not done yet; `total` counts all) and write each."""
+    from services.rollout.agent import AgentLoop
+
+    if not questions:
+        return
+    progress = Progress(row.label, total, total - len(questions))
+    loop = AgentLoop(engine, _loop_settings(settings, row.mode),
+                     backend if row.mode == "agent" else None)  # type: ignore[arg-type]
+    sampling = {"temperature": settings.temperature, "top_p": settings.top_p,
+                "top_k": settings.top_k}
+    try:
+        for start in range(0, len(questions), settings.batch_size):
+            chunk = list(questions[start:start + settings.batch_size])
+            prompts: list[Any] = [q.agent_prompt for q in chunk]
+            rag_docs: dict[str, list[dict[str, str]]] = {}
+            if row.mode == "direct":
+                prompts = [direct_prompt(q.question) for q in chunk]
+            elif row.mode == "rag":
+                assert backend is not None
+                try:
+                    found = backend.retrieve([q.question for q in chunk])
+                except RetrieverError as exc:
+                    raise PlayError(f"retrieval for {row.label} failed: {exc}; finished "
+                                    "questions are kept, so running the same command again "
+                                    "goes on from here") from None
+                prompts = []
+                for q, docs in zip(chunk, found, strict=True):
+                    docs = [] if isinstance(docs, QueryRejected) else docs
+                    rag_docs[q.qid] = doc_refs(docs)
+                    prompts.append(rag_prompt(q.question, docs))
+            by_uid = {q.qid: q for q in chunk}
+            groups = [PromptGroup(uid=q.qid, data_source=q.data_source, prompt=p,
+                                  ground_truth=q.ground_truth, n=1, kind="eval",
+                                  sampling=dict(sampling), extra={"question": q.question})
+                      for q, p in zip(chunk, prompts, strict=True)]
+
+            def done(group: PromptGroup, trajectories: list[Trajectory],
+                     by_uid: dict[str, Question] = by_uid,
+                     rag_docs: dict[str, list[dict[str, str]]] = rag_docs) -> None:
+                question = by_uid[group.uid]
+                if trajectories[0].finish_reason == "error":  # an outage, not a wrong answer
+                    raise PlayError(f"question {question.qid} ({row.label}) failed: "
+                                    f"{trajectories[0].error}; nothing was written for it, "
+                                    "so running the same command again retries it")
+                line = sample_line(row, question, trajectories[0], engine.tokenizer, index_id,
+                                   rag_docs.get(question.qid) if row.mode == "rag" else None)
+                write([line])
+                progress.add(line["em"])
+
+            loop.run(groups, on_group_done=done)
+            progress.show(final=start + settings.batch_size >= len(questions))
+    finally:
+        loop.close()
