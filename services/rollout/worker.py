@@ -42,6 +42,13 @@ log = logging.getLogger("forage.rollout")
 # idle one reads at once): two Redis round trips per engine step would cost more than the
 # few milliseconds a freed slot waits.
 FEED_INTERVAL_S = 0.05
+# While it holds groups that need newer weights than its engine serves, a replica asks the
+# learner for them at most this often instead of every `rollout.weight_poll_s`: the learner
+# publishes a version before it issues groups that need it, so the version is there, and the
+# slots reserved for the held groups stay empty until it arrives. Waiting for the regular poll
+# (1 s by default) left those slots idle and the groups in play a version older (more of them
+# dropped as stale): with 16 replicas it cost about a quarter of the throughput (bench/scale.py).
+HELD_POLL_S = 0.1
 
 
 def replica_name(configured: str) -> str:
@@ -352,7 +359,15 @@ class RolloutWorker:
 
     def _between_steps(self) -> None:
         self._heartbeat()
-        self._poll_weights(force=False)
+        self._poll_weights(force=self._held_wait_for_weights())
+
+    def _held_wait_for_weights(self) -> bool:
+        """Whether held groups need a newer version than the engine serves and the last poll
+        is at least HELD_POLL_S old: then the poll is due now, not at `weight_poll_s`."""
+        if not any(group.policy_version_min > self.engine.policy_version
+                   for group, _ in self._held):
+            return False
+        return time.monotonic() - self._last_poll >= HELD_POLL_S
 
     # ------------------------------------------------------------------ weights
 
