@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_quick_scale_bench_trains_and_reports_the_ratio(tmp_path: Path) -> None:
     out = tmp_path / "scale"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "scale.py"), "--quick", "--out", str(out)],
+        [sys.executable, str(REPO / "bench" / "scale.py"), "--quick", "--hosts", "1",
+         "--per-token-ms", "5", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300,
         env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
