@@ -4,6 +4,7 @@ Small modules with one job each: `stats` (pure metrics and statistics), `data` (
 files in Search-R1's, FlashRAG's and Forage's layouts), `prompts` (what each mode asks),
 `retrieval` (live, in-process, recorded and replayed search results), `results` (the output
 directory: config check, per-question lines, resume), `runner` (plays questions through the
-agent loop), `report` (eval.json and eval.md) and `cli` (the thin command). The services never
+agent loop), `errors` (why a wrong agent answer is wrong), `evidence` (the evidence-reliance
+probe), `report` (eval.json and eval.md) and `cli` (the thin command). The services never
 import this package; it imports theirs, as services/launch does.
 """

@@ -39,6 +39,10 @@ def _positive(text: str) -> int:
     return value
 
 
+def _signed(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.3f}"
+
+
 def register(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model", action="append", required=True, metavar="DIR",
@@ -73,6 +77,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     add("--top-p", type=float, default=1.0)
     add("--top-k", type=int, default=0)
     add("--seed", type=int, default=0, help="sampling seed")
+    add("--evidence-probe", action="store_true",
+        help="agent rows: force each searching trajectory's answer after its information "
+             "blocks real, empty and swapped for another question's (docs/eval.md)")
+    add("--evidence-samples", type=_positive, default=None, metavar="K",
+        help="forced answers per variant and trajectory, at temperature 1 (default 3)")
     add("--device", default="cpu", help="cpu (default) or cuda[:N]")
     add("--dtype", default="auto", help="auto (float32 on CPU), bfloat16, float16, float32")
     parser.set_defaults(handler=_handle)
@@ -88,11 +97,15 @@ def _handle(args: argparse.Namespace) -> int:
     if args.temperature < 0:
         print("forage eval: error: --temperature must be 0 (greedy) or above", file=sys.stderr)
         return USAGE_ERROR
+    if args.evidence_samples is not None and not args.evidence_probe:
+        print("forage eval: error: --evidence-samples needs --evidence-probe", file=sys.stderr)
+        return USAGE_ERROR
     settings = EvalSettings(
         topk=args.topk, max_turns=args.max_turns, max_tokens_per_turn=args.max_tokens_per_turn,
         max_obs_length=args.max_obs_length, max_response_length=args.max_response_length,
         max_prompt_length=args.max_prompt_length, temperature=args.temperature,
-        top_p=args.top_p, top_k=args.top_k, seed=args.seed, batch_size=args.batch_size)
+        top_p=args.top_p, top_k=args.top_k, seed=args.seed, batch_size=args.batch_size,
+        evidence_probe=args.evidence_probe, evidence_samples=args.evidence_samples or 3)
     request = EvalRequest(models=args.model, data=args.data, modes=modes, out=args.out,
                           index=args.index, retriever_url=args.retriever_url,
                           retrieval=args.retrieval, store=args.store,
@@ -110,5 +123,11 @@ def _handle(args: argparse.Namespace) -> int:
         print(f"{row['label']}: EM {row['em']['average']:.3f} (average over "
               f"{len(row['em']) - 2} data source(s)), {row['n']['all']} questions, searches/q "
               f"{row['searches']['all']:.2f}")
+        if "evidence" in row:
+            e = row["evidence"]
+            gaps = e["gap"]
+            print(f"  evidence probe: {e['probed']} probed, {e['skipped_no_search']} without a "
+                  f"search; real - none {_signed(gaps['real_minus_none'])}, real - swapped "
+                  f"{_signed(gaps['real_minus_swapped'])}")
     print(f"wrote {args.out}/eval.json, eval.md, samples.jsonl (forage inspect {args.out})")
     return 0

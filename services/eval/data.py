@@ -14,12 +14,14 @@ scorer grades with another rule (math, countdown) is refused rather than scored 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from services.common.data_sources import BUILTIN_DATA_SOURCES
 from services.common.formats import normalize_question, search_r1_prompt
+from services.eval.errors import Support, support_of
+from services.scorer.rewards.text import gold_answers
 from services.tasks.datasets import DatasetError, iter_records, load_rows
 
 
@@ -32,6 +34,8 @@ class Question:
     question: str
     ground_truth: Any
     agent_prompt: Any  # chat messages or text: the dataset's own Search-R1 prompt
+    # What the row says about the question's hops (services/eval/errors.py), if anything.
+    support: Support | None = None
 
 
 def _prompt_text(prompt: Any) -> str:
@@ -54,6 +58,13 @@ def _question_of(row: dict[str, Any], where: str) -> str:
                        "'extra_info.question', no 'Question:' in the prompt)")
 
 
+def _golds(truth: Any) -> list[str]:
+    try:
+        return gold_answers(truth)
+    except ValueError:  # the scorer reports a bad ground truth; here it only means no golds
+        return []
+
+
 def _check_source(source: str, where: str) -> None:
     rule = BUILTIN_DATA_SOURCES.get(source)
     if rule is not None and rule != "qa_em":
@@ -71,8 +82,9 @@ def _rl_questions(path: Path) -> list[Question]:
         if ident is None:
             extra = row.get("extra_info") or {}
             ident = extra.get("index", index) if isinstance(extra, dict) else index
-        out.append(Question(f"{source}/{ident}", source, _question_of(row, where),
-                            row["reward_model"]["ground_truth"], row["prompt"]))
+        question, truth = _question_of(row, where), row["reward_model"]["ground_truth"]
+        out.append(Question(f"{source}/{ident}", source, question, truth, row["prompt"],
+                            support_of(row, question, _golds(truth))))
     return out
 
 
@@ -94,7 +106,8 @@ def _flashrag_questions(path: Path, data_source: str | None) -> list[Question]:
         ident = record.get("id", index)
         out.append(Question(f"{source}/{ident}", source, normalize_question(question),
                             {"target": answers},
-                            [{"role": "user", "content": search_r1_prompt(question)}]))
+                            [{"role": "user", "content": search_r1_prompt(question)}],
+                            support_of(record, question, answers)))
     return out
 
 
@@ -137,7 +150,6 @@ def load_questions(paths: list[str], data_source: str | None = None,
         count = seen.get(q.qid, 0)
         seen[q.qid] = count + 1
         if count:  # a repeated id (two files of one source): keep both, distinctly named
-            q = Question(f"{q.qid}#{count}", q.data_source, q.question, q.ground_truth,
-                         q.agent_prompt)
+            q = replace(q, qid=f"{q.qid}#{count}")
         kept.append(q)
     return kept

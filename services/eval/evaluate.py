@@ -14,6 +14,7 @@ from typing import Any
 
 from services.eval import report
 from services.eval.data import load_questions
+from services.eval.evidence import donors
 from services.eval.results import ConfigMismatch, SampleWriter, check_config, read_samples
 from services.eval.retrieval import (
     STORE_FILE,
@@ -148,6 +149,8 @@ def run(request: EvalRequest) -> dict[str, Any]:
         questions = load_questions(request.data, request.data_source, request.limit)
     except DatasetError as exc:
         raise EvalError(str(exc)) from None
+    if request.settings.evidence_probe and "agent" not in request.modes:
+        raise EvalError("--evidence-probe probes agent trajectories: add --mode agent")
     models = _check_models(request.models)
     needs_search = any(mode in ("rag", "agent") for mode in request.modes)
     try:
@@ -173,6 +176,10 @@ def run(request: EvalRequest) -> dict[str, Any]:
     rows = [Row(m * len(request.modes) + k, f"{labels[m]} · {mode}", request.models[m], mode)
             for m in range(len(request.models)) for k, mode in enumerate(request.modes)]
     done = {(line["row"], line["qid"]) for line in read_samples(out)}
+    by_qid = {q.qid: q for q in questions}
+    donor_of = ({qid: by_qid[d] for qid, d in donors([q.qid for q in questions],
+                                                      request.settings.seed).items()}
+                if request.settings.evidence_probe else None)
     writer = SampleWriter(out)
     try:
         for model_number, model in enumerate(request.models):
@@ -188,7 +195,7 @@ def run(request: EvalRequest) -> dict[str, Any]:
             for row in mine:
                 try:
                     play_row(engine, row, todo[row.label], len(questions), request.settings,
-                             backend, index_id, writer.write)
+                             backend, index_id, writer.write, donor_of)
                 except RetrievalError as exc:
                     raise EvalError(str(exc)) from None
             del engine

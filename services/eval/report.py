@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.data_sources import SEARCH_R1_QA
-from services.eval import stats
+from services.eval import errors, evidence, stats
 
 INTERVALS = {
     "em": "Wilson score interval, 95%",
@@ -73,6 +73,12 @@ def summarise_row(label: str, model: str, mode: str, lines: list[dict[str, Any]]
     for line in lines:
         reasons[line["finish_reason"]] = reasons.get(line["finish_reason"], 0) + 1
     out["finish_reasons"] = dict(sorted(reasons.items()))
+    attributed = errors.summarise(lines)
+    if attributed is not None:
+        out["errors"] = attributed
+    probe = evidence.summarise(lines)
+    if probe is not None:
+        out["evidence"] = probe
     return out
 
 
@@ -147,7 +153,51 @@ def markdown(doc: dict[str, Any]) -> str:
                 lines.append(f"| {pair['a']} | {pair['b']} | {every['n']} | {every['a_only']} | "
                              f"{every['b_only']} | {every['difference']:+.3f} | "
                              f"{every['p_value']:.4g} |")
+    lines += _errors_table(doc["rows"])
+    lines += _evidence_table(doc["rows"], doc["config"].get("settings", {}))
     return "\n".join(lines) + "\n"
+
+
+def _fmt(value: float | None, sign: bool = False) -> str:
+    if value is None:
+        return "–"
+    return f"{value:+.3f}" if sign else f"{value:.3f}"
+
+
+def _errors_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Why agent answers are wrong (services/eval/errors.py): count (fraction) per class."""
+    shown = [row for row in rows if "errors" in row]
+    if not shown:
+        return []
+    out = ["", "Wrong agent answers by cause (count, fraction of the wrong answers):", "",
+           "| Method | wrong | " + " | ".join(errors.ERROR_CLASSES) + " |",
+           "|---|---:|" + "---:|" * len(errors.ERROR_CLASSES)]
+    for row in shown:
+        e = row["errors"]
+        cells = [f"{e['counts'][c]} ({e['fractions'][c]:.2f})" for c in errors.ERROR_CLASSES]
+        out.append(f"| {row['label']} | {e['wrong']} | " + " | ".join(cells) + " |")
+    return out
+
+
+def _evidence_table(rows: list[dict[str, Any]], settings: dict[str, Any]) -> list[str]:
+    """The evidence-reliance probe's table (agent rows probed with --evidence-probe)."""
+    probed = [row for row in rows if "evidence" in row]
+    if not probed:
+        return []
+    samples = settings.get("evidence_samples", "?")
+    out = ["", f"Evidence reliance (Forage's probe): EM of the answer forced after the "
+           f"trajectory's own reasoning with its information blocks real, empty or swapped "
+           f"for another question's; {samples} sample(s) per variant at temperature 1:", "",
+           "| Method | probed | skipped (no search) | real | none | swapped | real − none | "
+           "real − swapped |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in probed:
+        e = row["evidence"]
+        acc, gap = e["accuracy"], e["gap"]
+        out.append(f"| {row['label']} | {e['probed']} | {e['skipped_no_search']} | "
+                   f"{_fmt(acc['real'])} | {_fmt(acc['none'])} | {_fmt(acc['swapped'])} | "
+                   f"{_fmt(gap['real_minus_none'], True)} | "
+                   f"{_fmt(gap['real_minus_swapped'], True)} |")
+    return out
 
 
 def write(out: Path, doc: dict[str, Any]) -> tuple[Path, Path]:

@@ -22,10 +22,20 @@ from typing import Any
 from services.common.formats import doc_refs
 from services.common.trajectory import PromptGroup, ScoredTrajectory, Trajectory
 from services.eval.data import Question
+from services.eval.errors import attribute_error, split_passages
+from services.eval.evidence import (
+    NO_SEARCH,
+    EvidenceSettings,
+    force_answers,
+    information_runs,
+    prepare,
+    swapped_block,
+)
 from services.eval.prompts import direct_prompt, rag_prompt
 from services.eval.retrieval import Backend
 from services.eval.stats import score_response
 from services.rollout.retrieval import QueryRejected, RetrieverError
+from services.scorer.rewards.text import gold_answers
 
 
 class PlayError(RuntimeError):
@@ -47,9 +57,17 @@ class EvalSettings:
     top_k: int = 0
     seed: int = 0
     batch_size: int = 32
+    evidence_probe: bool = False
+    evidence_samples: int = 3
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The config's settings. The probe's fields appear only when it is on, so an output
+        directory written before the probe existed still resumes."""
+        out = asdict(self)
+        if not self.evidence_probe:
+            out.pop("evidence_probe")
+            out.pop("evidence_samples")
+        return out
 
 
 @dataclass(frozen=True)
@@ -100,7 +118,21 @@ def sample_line(row: Row, question: Question, trajectory: Trajectory, tokenizer:
     if rag_docs is not None:
         line["rag_docs"] = rag_docs
         line["index"] = index_id
+    if row.mode == "agent":
+        line["support"] = asdict(question.support) if question.support is not None else None
+        line["error"] = None if scores["em"] >= 1 else attribute_error(
+            trajectory.num_searches > 0, retrieved_passages(trajectory, tokenizer),
+            gold_answers(question.ground_truth), question.support)
     return line
+
+
+def retrieved_passages(trajectory: Trajectory, tokenizer: Any) -> list[str]:
+    """Every passage the trajectory's searches retrieved, decoded in full from its own
+    observation tokens (the samples line keeps a clipped observation only)."""
+    ids = [int(t) for t in trajectory.response_ids]
+    return [passage for start, end in information_runs(trajectory.turns, len(ids))
+            for passage in split_passages(tokenizer.decode(ids[start:end],
+                                                           skip_special_tokens=True))]
 
 
 class Progress:
@@ -129,14 +161,60 @@ class Progress:
         sys.stderr.flush()
 
 
+def _retrieve_donors(backend: Backend | None, texts: list[str]) -> dict[str, Any]:
+    """Each donor question's passages (one call for the batch), through the evaluation's own
+    backend: recorded under --retrieval record, read from the store under replay."""
+    unique = list(dict.fromkeys(texts))
+    if not unique or backend is None:
+        return {}
+    try:
+        found = backend.retrieve(unique)
+    except RetrieverError as exc:
+        raise PlayError(f"retrieval for the evidence probe failed: {exc}; finished questions "
+                        "are kept, so running the same command again goes on from here") from None
+    return dict(zip(unique, found, strict=True))
+
+
+def probe_evidence(engine: Any, played: list[tuple[dict[str, Any], Trajectory, Question]],
+                   donor_of: dict[str, Question], backend: Backend | None,
+                   settings: EvalSettings) -> None:
+    """Add each line's `evidence` field (services/eval/evidence.py): the forced answers'
+    EM per variant and sample, or why it was skipped."""
+    searched = [(line, t, q) for line, t, q in played if t.num_searches > 0]
+    found = _retrieve_donors(backend, [donor_of[q.qid].question for _, _, q in searched
+                                       if q.qid in donor_of])
+    prepared, golds = {}, {}
+    for line, trajectory, question in played:
+        donor = donor_of.get(question.qid)
+        block = swapped_block(found.get(donor.question)) if donor is not None else None
+        item = (prepare(engine.tokenizer, trajectory, block, settings.max_obs_length)
+                if trajectory.num_searches > 0 else None)
+        if item is None:
+            line["evidence"] = {"skipped": NO_SEARCH}
+            continue
+        prepared[question.qid], golds[question.qid] = item, question.ground_truth
+        line["evidence"] = {"donor": donor.qid if donor is not None and block is not None
+                            else None}
+    scores = force_answers(engine, prepared, golds,
+                           EvidenceSettings(samples=settings.evidence_samples))
+    for line, _, question in played:
+        if question.qid in scores:
+            line["evidence"].update(scores[question.qid])
+
+
 def play_row(engine: Any, row: Row, questions: Sequence[Question], total: int,
              settings: EvalSettings, backend: Backend | None, index_id: str | None,
-             write: Callable[[list[dict[str, Any]]], None]) -> None:
-    """Play `questions` (those of the row not done yet; `total` counts all) and write each."""
+             write: Callable[[list[dict[str, Any]]], None],
+             donor_of: dict[str, Question] | None = None) -> None:
+    """Play `questions` (those of the row not done yet; `total` counts all) and write each.
+
+    With the evidence probe on (`donor_of` given, agent rows), a batch's lines are written
+    once the batch is probed, so a resumed run never holds a line without its probe."""
     from services.rollout.agent import AgentLoop
 
     if not questions:
         return
+    probing = donor_of is not None and row.mode == "agent"
     progress = Progress(row.label, total, total - len(questions))
     loop = AgentLoop(engine, _loop_settings(settings, row.mode),
                      backend if row.mode == "agent" else None)  # type: ignore[arg-type]
@@ -163,6 +241,7 @@ def play_row(engine: Any, row: Row, questions: Sequence[Question], total: int,
                     rag_docs[q.qid] = doc_refs(docs)
                     prompts.append(rag_prompt(q.question, docs))
             by_uid = {q.qid: q for q in chunk}
+            played: list[tuple[dict[str, Any], Trajectory, Question]] = []
             groups = [PromptGroup(uid=q.qid, data_source=q.data_source, prompt=p,
                                   ground_truth=q.ground_truth, n=1, kind="eval",
                                   sampling=dict(sampling), extra={"question": q.question})
@@ -170,7 +249,8 @@ def play_row(engine: Any, row: Row, questions: Sequence[Question], total: int,
 
             def done(group: PromptGroup, trajectories: list[Trajectory],
                      by_uid: dict[str, Question] = by_uid,
-                     rag_docs: dict[str, list[dict[str, str]]] = rag_docs) -> None:
+                     rag_docs: dict[str, list[dict[str, str]]] = rag_docs,
+                     played: list[tuple[dict[str, Any], Trajectory, Question]] = played) -> None:
                 question = by_uid[group.uid]
                 if trajectories[0].finish_reason == "error":  # an outage, not a wrong answer
                     raise PlayError(f"question {question.qid} ({row.label}) failed: "
@@ -178,10 +258,17 @@ def play_row(engine: Any, row: Row, questions: Sequence[Question], total: int,
                                     "so running the same command again retries it")
                 line = sample_line(row, question, trajectories[0], engine.tokenizer, index_id,
                                    rag_docs.get(question.qid) if row.mode == "rag" else None)
-                write([line])
+                if probing:
+                    played.append((line, trajectories[0], question))
+                else:
+                    write([line])
                 progress.add(line["em"])
 
             loop.run(groups, on_group_done=done)
+            if probing and played:
+                assert donor_of is not None
+                probe_evidence(engine, played, donor_of, backend, settings)
+                write([line for line, _, _ in played])
             progress.show(final=start + settings.batch_size >= len(questions))
     finally:
         loop.close()

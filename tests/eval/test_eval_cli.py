@@ -25,6 +25,7 @@ def forage(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     ("unknown-mode", "unknown mode search"),
     ("rag-without-index", "pass --index DIR"),
     ("missing-model", "--model"),
+    ("samples-without-probe", "--evidence-samples needs --evidence-probe"),
 ])
 def test_user_mistakes_are_one_line_and_exit_code_2(eval_world, tmp_path, case, message):
     base = ["eval", "--model", str(eval_world["policy"]), "--data", str(eval_world["flashrag"]),
@@ -34,6 +35,7 @@ def test_user_mistakes_are_one_line_and_exit_code_2(eval_world, tmp_path, case, 
                          str(tmp_path / "nope.parquet"), "--mode", "direct", "--out",
                          str(tmp_path / "out")],
         "unknown-mode": [*base, "--mode", "search"],
+        "samples-without-probe": [*base, "--mode", "agent", "--evidence-samples", "2"],
         "rag-without-index": [*base, "--mode", "direct,rag"],
         "missing-model": ["eval", "--model", str(tmp_path / "no-model"), "--data",
                           str(eval_world["flashrag"]), "--mode", "direct", "--out",

@@ -1,0 +1,201 @@
+"""Evidence-reliance probe of `forage eval` (`--evidence-probe`; docs/eval.md).
+
+Question: does the agent's answer depend on the passages it retrieved? For each finished agent
+trajectory that searched at least once, the answer is forced three times after the trajectory's
+own reasoning, with its `<information>` blocks
+
+- `real`: as retrieved (the trajectory's own tokens, untouched),
+- `none`: replaced by an empty block (`<information></information>`),
+- `swapped`: replaced by the passages retrieved for another question of the same evaluation
+  (a seeded derangement of the evaluation's questions: nobody gets its own),
+
+and each forced answer is scored with the same EM as the evaluation. A policy that reads its
+evidence loses accuracy without it (real − none, real − swapped large); one that answers from
+memory does not (gaps near 0).
+
+The answer is forced as the truncation probe forces it at its 100% point (services/rollout/
+probe.py, docs/probe.md): the prefix is the response up to the policy's first `<answer>`
+(observations included), closed as the policy closes the block it ends inside, then
+`<answer>`, sampled at temperature 1 until `</answer>`. Prompts are built from token ids:
+prompt ids + the response's own token segments, with only the replacement blocks encoded
+(and cut to `max_obs_length`, as the agent loop cuts observations). The closer and the suffix
+are computed once, on the real prefix, so the three variants differ only in the blocks.
+
+The swapped passages are retrieved for the donor question's text through the evaluation's own
+backend: recorded with `--retrieval record`, answered from the store with `--retrieval replay`,
+so a replayed probe is exact.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.formats import information_block, probe_rule, probe_stops
+from services.common.trajectory import Trajectory, Turn
+from services.eval.stats import mean, score_response
+from services.rollout.probe import cut_suffixes, reasoning_span
+
+VARIANTS: tuple[str, ...] = ("real", "none", "swapped")
+EVIDENCE_MAX_TOKENS = 32  # the truncation probe's default `mc_max_tokens`
+EMPTY_BLOCK = information_block([])
+NO_SEARCH = "no_search"
+
+
+@dataclass(frozen=True)
+class EvidenceSettings:
+    """`--evidence-samples`: forced answers per variant and trajectory (temperature 1)."""
+
+    samples: int = 3
+    max_tokens: int = EVIDENCE_MAX_TOKENS
+
+
+def derangement(n: int, seed: int) -> list[int]:
+    """A seeded permutation of range(n) with no fixed point (Sattolo's algorithm: one cycle),
+    so every question gets another question's passages; identity for n < 2 (no donor exists)."""
+    order = list(range(n))
+    if n < 2:
+        return order
+    rng = random.Random(f"forage-eval-evidence:{seed}")
+    for i in range(n - 1, 0, -1):
+        j = rng.randrange(i)
+        order[i], order[j] = order[j], order[i]
+    return order
+
+
+def donors(qids: Sequence[str], seed: int) -> dict[str, str]:
+    """Question id -> the id of the question whose passages it gets; empty for < 2 questions."""
+    if len(qids) < 2:
+        return {}
+    order = derangement(len(qids), seed)
+    return {qid: qids[order[i]] for i, qid in enumerate(qids)}
+
+
+def information_runs(turns: Sequence[Turn], response_length: int) -> list[tuple[int, int]]:
+    """[start, end) of each observation that answered a search with passages: the tokens after
+    a search turn that retrieved (`docs` set) up to the next turn. Corrective messages and
+    rejected queries are not evidence and stay as they were."""
+    runs = []
+    for i, turn in enumerate(turns):
+        if turn.action != "search" or turn.docs is None:
+            continue
+        end = turns[i + 1].start if i + 1 < len(turns) else response_length
+        if end > turn.end:
+            runs.append((turn.end, end))
+    return runs
+
+
+def rebuild(prompt_ids: Sequence[int], response_ids: Sequence[int], cut: int,
+            runs: Sequence[tuple[int, int]], replacement: Sequence[int] | None,
+            suffix: Sequence[int]) -> list[int]:
+    """prompt + response[:cut] + suffix, with every run that starts before the cut replaced by
+    `replacement` (None: kept). Pure token concatenation: the policy's own tokens are reused."""
+    response = list(response_ids)
+    out = list(prompt_ids)
+    position = 0
+    for start, end in runs:
+        if start >= cut:
+            break
+        if replacement is None:
+            continue
+        out += response[position:start] + list(replacement)
+        position = min(end, cut)
+    out += response[position:cut] + list(suffix)
+    return out
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The three probe prompts of one trajectory (None: that variant cannot be built)."""
+
+    prompts: dict[str, list[int] | None]
+    suffix_text: str
+
+
+def prepare(tokenizer: Any, trajectory: Trajectory, swapped_block: str | None,
+            max_obs_length: int) -> Prepared | None:
+    """The probe prompts of one trajectory, or None when it retrieved nothing to replace."""
+    runs = information_runs(trajectory.turns, len(trajectory.response_ids))
+    if trajectory.num_searches == 0 or not runs:
+        return None
+    rule = probe_rule(trajectory.data_source)
+    response = [int(t) for t in trajectory.response_ids]
+    span = reasoning_span(tokenizer, response, [int(m) for m in trajectory.loss_mask], rule)
+    cut = span.end
+    suffix = cut_suffixes(tokenizer, response, [cut], rule)[0]
+    prompt = [int(t) for t in trajectory.prompt_ids]
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))[:max_obs_length]
+
+    prompts: dict[str, list[int] | None] = {
+        "real": rebuild(prompt, response, cut, runs, None, suffix),
+        "none": rebuild(prompt, response, cut, runs, encode(EMPTY_BLOCK), suffix),
+        "swapped": None if swapped_block is None else rebuild(
+            prompt, response, cut, runs, encode(swapped_block), suffix),
+    }
+    return Prepared(prompts, rule.suffix)
+
+
+def swapped_block(found: Any) -> str | None:
+    """The information block of a donor's retrieval result; None for a rejected query."""
+    return information_block(found) if isinstance(found, list) else None
+
+
+def force_answers(engine: Any, prepared: Mapping[str, Prepared], ground_truth: Mapping[str, Any],
+                  settings: EvidenceSettings) -> dict[str, dict[str, list[float]]]:
+    """Sample `settings.samples` forced answers per variant of each prepared trajectory and
+    score each (suffix + completion) with the evaluation's EM. Keys: question ids."""
+    from services.rollout.engine import GenerationRequest, SamplingParams, run_to_completion
+
+    requests, where = [], []
+    for qid, item in prepared.items():
+        params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=settings.max_tokens,
+                                stop=probe_stops(item.suffix_text))
+        for variant in VARIANTS:
+            ids = item.prompts[variant]
+            if ids is None:
+                continue
+            for k in range(settings.samples):
+                requests.append(GenerationRequest(list(ids), params,
+                                                  tag=("evidence", qid, variant, k)))
+                where.append((qid, variant))
+    scores: dict[str, dict[str, list[float]]] = {
+        qid: {v: [] for v in VARIANTS if item.prompts[v] is not None}
+        for qid, item in prepared.items()}
+    for (qid, variant), output in zip(where, run_to_completion(engine, requests), strict=True):
+        text = prepared[qid].suffix_text + engine.tokenizer.decode(output.token_ids,
+                                                                   skip_special_tokens=True)
+        scores[qid][variant].append(score_response(text, ground_truth[qid])["em"])
+    return scores
+
+
+def summarise(lines: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """A row's probe figures from its lines' `evidence` fields; None when it was not probed.
+
+    Accuracy per variant is the mean over probed trajectories of the mean over samples; the
+    gaps are real − none and real − swapped over the same trajectories."""
+    marked = [line["evidence"] for line in lines if isinstance(line.get("evidence"), dict)]
+    if not marked:
+        return None
+    probed = [e for e in marked if "real" in e]
+    skipped = sum(1 for e in marked if e.get("skipped") == NO_SEARCH)
+    accuracy: dict[str, float | None] = {}
+    for variant in VARIANTS:
+        values = [mean(e[variant]) for e in probed if e.get(variant)]
+        accuracy[variant] = round(mean(values), 6) if values else None
+    both = [e for e in probed if e.get("swapped")]
+    return {
+        "probed": len(probed), "skipped_no_search": skipped,
+        "samples": max((len(e["real"]) for e in probed), default=0),
+        "accuracy": accuracy,
+        "gap": {
+            "real_minus_none": round(mean([mean(e["real"]) - mean(e["none"])
+                                           for e in probed]), 6) if probed else None,
+            "real_minus_swapped": round(mean([mean(e["real"]) - mean(e["swapped"])
+                                              for e in both]), 6) if both else None,
+        },
+        "swapped_probed": len(both),
+    }
