@@ -13,9 +13,11 @@ from typing import Any, Literal
 
 import numpy as np
 
-Action = Literal["search", "answer", "invalid", "none"]
+# "tool": a tool call other than search (rollout.protocol tool_calls); a search tool call is
+# recorded as "search" so search counts and samples read alike in both protocols.
+Action = Literal["search", "answer", "invalid", "none", "tool"]
 FinishReason = Literal["answer", "max_turns", "length", "error"]
-ACTIONS: tuple[str, ...] = ("search", "answer", "invalid", "none")
+ACTIONS: tuple[str, ...] = ("search", "answer", "invalid", "none", "tool")
 FINISH_REASONS: tuple[str, ...] = ("answer", "max_turns", "length", "error")
 
 Messages = list[dict[str, str]]

@@ -34,7 +34,16 @@ from services.common.formats import (
     doc_refs,
     information_block,
     parse_action,
+    passages_to_string,
 )
+from services.common.tool_calls import (
+    TOOL_CALL_CLOSE,
+    TOOL_CORRECTIVE_MESSAGE,
+    ToolCall,
+    ToolCallError,
+    parse_turn,
+)
+from services.common.tools import ToolSpec, tool_specs
 from services.common.trajectory import Probe, PromptGroup, Trajectory, Turn
 from services.rollout import metrics
 from services.rollout.engine import Engine, GenerationOutput, GenerationRequest, SamplingParams
@@ -47,6 +56,7 @@ from services.rollout.probe import (
     reasoning_span,
 )
 from services.rollout.retrieval import QueryRejected, RetrieverClient, RetrieverError
+from services.rollout.tools import ChatTurns, ToolStats, timed_calculator
 
 log = logging.getLogger("forage.rollout.agent")
 
@@ -64,6 +74,8 @@ class LoopSettings:
     top_k: int = 0
     stop_strings: tuple[str, ...] = STOP_STRINGS
     scheduling: Literal["continuous", "lockstep"] = "continuous"
+    protocol: Literal["tags", "tool_calls"] = "tags"
+    tools: tuple[str, ...] = ("search",)
 
     @classmethod
     def from_config(cls, rollout: Any) -> LoopSettings:
@@ -79,6 +91,8 @@ class LoopSettings:
             top_k=rollout.top_k,
             stop_strings=tuple(rollout.stop_strings),
             scheduling=rollout.scheduling,
+            protocol=getattr(rollout, "protocol", "tags"),
+            tools=tuple(getattr(rollout, "tools", ("search",))),
         )
 
 
@@ -100,6 +114,14 @@ class _State:
     probe: Probe | None = None
     probe_pending: int = 0
     probe_waves: list[list[GenerationRequest]] = field(default_factory=list)
+    # tool_calls protocol: the prompt messages (the context inserted turns are rendered after),
+    # the results of the turn's calls as they arrive (None: a search still out), whether the
+    # turn ended on the end-of-turn token itself, and per-tool statistics.
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tool_results: list[tuple[str, str | None] | None] = field(default_factory=list)
+    turn_end: str = ""
+    search_started: dict[int, float] = field(default_factory=dict)
+    tool_stats: ToolStats = field(default_factory=ToolStats)
 
     @property
     def generating_done(self) -> bool:
@@ -130,12 +152,27 @@ class AgentLoop:
         self.on_step = on_step
         self._rng = random.Random(seed)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retrieve")
+        self.tool_mode = settings.protocol == "tool_calls"
+        self.tool_specs: list[ToolSpec] = []
+        self.chat: ChatTurns | None = None
+        if self.tool_mode:
+            self.tool_specs = tool_specs(settings.tools)
+            self.chat = ChatTurns(self.tokenizer, self.tool_specs)
+            stops = [TOOL_CALL_CLOSE]
+            eos_ids = getattr(engine, "eos_ids", frozenset())
+            end = self.chat.end_of_turn
+            if end is not None and self.tokenizer.convert_tokens_to_ids(end) not in eos_ids:
+                stops.append(end)  # the template's end of turn is not the model's EOS
+            self._tool_stops: tuple[str, ...] = tuple(stops)
 
     # ------------------------------------------------------------------ prompts
 
     def prompt_ids(self, group: PromptGroup) -> list[int]:
         """Chat template when the tokenizer has one (and the prompt is messages), else text."""
         prompt = group.prompt
+        if self.chat is not None:  # tool_calls: the template with the tools, always
+            ids = self.chat.prompt_ids(self._messages(group))
+            return ids[-self.settings.max_prompt_length :]
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         elif getattr(self.tokenizer, "chat_template", None):
@@ -150,6 +187,13 @@ class AgentLoop:
         ids = list(ids)
         return ids[-self.settings.max_prompt_length :]
 
+    @staticmethod
+    def _messages(group: PromptGroup) -> list[dict[str, Any]]:
+        """A group's prompt as chat messages (a raw-text prompt becomes one user message)."""
+        if isinstance(group.prompt, str):
+            return [{"role": "user", "content": group.prompt}]
+        return [dict(message) for message in group.prompt]
+
     def _group_params(self, group: PromptGroup) -> tuple[SamplingParams, int]:
         s = self.settings
         overrides = dict(group.sampling)
@@ -159,7 +203,7 @@ class AgentLoop:
             top_p=float(overrides.get("top_p", s.top_p)),
             top_k=int(overrides.get("top_k", s.top_k)),
             max_tokens=s.max_tokens_per_turn,
-            stop=s.stop_strings,
+            stop=self._tool_stops if self.tool_mode else s.stop_strings,
         )
         return params, int(overrides.get("max_turns", s.max_turns))
 
@@ -207,6 +251,9 @@ class AgentLoop:
                 members = [
                     _State(group, i, prompt_ids, params, max_turns) for i in range(max(1, group.n))
                 ]
+                if self.tool_mode:
+                    for member in members:
+                        member.messages = self._messages(group)
                 by_group[gi], group_at[gi] = members, group
                 for member in members:
                     group_of[id(member)] = gi
@@ -219,8 +266,10 @@ class AgentLoop:
                        if gi not in reported for member in members)
 
         deferred: list[_State] = []  # lockstep: continue next round
-        searches: list[tuple[_State, str]] = []  # waiting for a /retrieve call
-        inflight: tuple[Future, list[tuple[_State, str]]] | None = None
+        # (state, query, slot) waiting for a /retrieve call; slot: the tool call's index in its
+        # turn (tool_calls protocol), None for a <search> tag.
+        searches: list[tuple[_State, str, int | None]] = []
+        inflight: tuple[Future, list[tuple[_State, str, int | None]]] | None = None
         start(groups)
         tokens_at_start, started = self._tokens(), time.perf_counter()
         rate_from, rate_tokens = started, tokens_at_start
@@ -264,7 +313,7 @@ class AgentLoop:
             idle = not self.engine.has_unfinished()
             if inflight is None and searches and (not lockstep or idle):
                 batch, searches = searches, []
-                inflight = (self._pool.submit(self._retrieve, [q for _, q in batch]), batch)
+                inflight = (self._pool.submit(self._retrieve, [item[1] for item in batch]), batch)
             if inflight is not None and (inflight[0].done() or idle):
                 future, batch = inflight
                 inflight = None
@@ -320,7 +369,7 @@ class AgentLoop:
     def _handle_output(
         self,
         output: GenerationOutput,
-        searches: list[tuple[_State, str]],
+        searches: list[tuple[_State, str, int | None]],
         deferred: list[_State],
         lockstep: bool,
     ) -> _State | None:
@@ -332,6 +381,8 @@ class AgentLoop:
             state.error = str(output.extra.get("error") or f"engine finish cause {output.finish}")
             self.engine.release(id(state))
             return state
+        if self.tool_mode:
+            return self._handle_tool_turn(output, state, searches, deferred, lockstep)
         start = len(state.response)
         state.response.extend(output.token_ids)
         state.mask.extend([1] * len(output.token_ids))
@@ -376,7 +427,7 @@ class AgentLoop:
             return state
         state.rounds += 1
         if action == "search":
-            searches.append((state, query or ""))
+            searches.append((state, query or "", None))
             return None
         metrics.INVALID.inc()
         if self._append_observation(state, CORRECTIVE_MESSAGE):
@@ -384,6 +435,123 @@ class AgentLoop:
         else:
             self._start_probe(state)
         return state
+
+    # ------------------------------------------------------------------ tool calls
+
+    def _handle_tool_turn(
+        self,
+        output: GenerationOutput,
+        state: _State,
+        searches: list[tuple[_State, str, int | None]],
+        deferred: list[_State],
+        lockstep: bool,
+    ) -> _State | None:
+        """A turn of the tool_calls protocol: an answer ends the trajectory, tool calls run
+        (calculator here, search batched like <search> tags), anything else gets a corrective
+        user turn. Every bad call is answered as the tool's result (never a trajectory error)."""
+        start = len(state.response)
+        state.response.extend(output.token_ids)
+        state.mask.extend([1] * len(output.token_ids))
+        state.logprobs.extend(output.logprobs)
+        end = len(state.response)
+        metrics.TOKENS.inc(len(output.token_ids))
+        text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
+        parsed = parse_turn(text, self.tool_specs)
+        action, query = parsed.action, parsed.answer
+        first = parsed.calls[0] if parsed.calls else None
+        if isinstance(first, ToolCall) and first.name == "search":
+            action, query = "search", str(first.arguments.get("query", ""))
+        elif first is not None:
+            query = first.raw
+        state.turns.append(Turn(start, end, action, query, output.version_start))
+        metrics.TURNS.labels(action).inc()
+        if action == "invalid":
+            metrics.INVALID.inc()
+        if action == "answer":
+            state.finish_reason = "answer"
+        elif self._is_final_turn(state):  # a final-turn call is not executed
+            state.finish_reason = "length" if output.finish == "length" else "max_turns"
+        elif output.finish == "length" and end >= self.settings.max_response_length:
+            state.finish_reason = "length"
+        if state.finish_reason is not None:
+            self._start_probe(state)
+            return state
+        state.rounds += 1
+        # The end-of-turn token the policy generated itself is not inserted again.
+        last = output.token_ids[-1:] if output.finish == "eos" else []
+        state.turn_end = self.tokenizer.decode(last, skip_special_tokens=False) if last else ""
+        if action == "invalid":
+            self._insert_turn(state, [{"role": "user", "content": TOOL_CORRECTIVE_MESSAGE}],
+                              deferred, lockstep)
+            return state
+        state.tool_results = [None] * len(parsed.calls)
+        pending = False
+        for slot, call in enumerate(parsed.calls):
+            if isinstance(call, ToolCallError):
+                # Names are sampled text: anything undeclared counts as "unknown" (bounded labels).
+                name = call.name if call.name in self.settings.tools else "unknown"
+                metrics.TOOL_CALLS.labels(name, call.kind).inc()
+                state.tool_stats.record(name, False, 0.0)
+                state.tool_results[slot] = (name, call.message)
+            elif call.name == "calculator":
+                result, ok, seconds = timed_calculator(call.arguments)
+                metrics.TOOL_CALLS.labels("calculator", "ok" if ok else "tool_error").inc()
+                metrics.TOOL_LATENCY.labels("calculator").observe(seconds)
+                state.tool_stats.record("calculator", ok, seconds)
+                state.tool_results[slot] = ("calculator", result)
+            elif call.name == "search":
+                searches.append((state, str(call.arguments["query"]), slot))
+                state.search_started[slot] = time.perf_counter()
+                pending = True
+            else:  # declared in the registry but no runner here: say so to the model
+                state.tool_results[slot] = (call.name, f"Error: tool {call.name!r} is not available.")
+        if pending:
+            return None
+        self._finish_tool_turn(state, deferred, lockstep)
+        return state
+
+    def _search_result(self, state: _State, slot: int, docs: Any) -> bool:
+        """Fill a search call's slot; True once every call of the turn has its result."""
+        seconds = time.perf_counter() - state.search_started.pop(slot, time.perf_counter())
+        metrics.TOOL_LATENCY.labels("search").observe(seconds)
+        if isinstance(docs, QueryRejected):
+            content = f"Error: search failed: {docs.reason}"
+            metrics.TOOL_CALLS.labels("search", "tool_error").inc()
+            state.tool_stats.record("search", False, seconds)
+        else:
+            state.searches += 1
+            metrics.SEARCHES.inc()
+            metrics.TOOL_CALLS.labels("search", "ok").inc()
+            state.tool_stats.record("search", True, seconds)
+            content = passages_to_string(docs).strip()
+            turn = state.turns[-1] if state.turns else None
+            if turn is not None and turn.action == "search" and turn.docs is None:
+                turn.docs = doc_refs(docs)
+        state.tool_results[slot] = ("search", content)
+        return all(result is not None for result in state.tool_results)
+
+    def _finish_tool_turn(self, state: _State, deferred: list[_State], lockstep: bool) -> None:
+        """Every call of the turn has its result: insert them as the template's tool turn."""
+        messages = []
+        for name, content in (result for result in state.tool_results if result is not None):
+            ids = self.tokenizer.encode(content or "", add_special_tokens=False)
+            if len(ids) > self.settings.max_obs_length:  # observation text only: never trained on
+                content = self.tokenizer.decode(ids[: self.settings.max_obs_length],
+                                                skip_special_tokens=False)
+            messages.append({"role": "tool", "name": name, "content": content or ""})
+        state.tool_results = []
+        self._insert_turn(state, messages, deferred, lockstep)
+
+    def _insert_turn(self, state: _State, messages: list[dict[str, Any]],
+                     deferred: list[_State], lockstep: bool) -> None:
+        """Append the template's tokens for `messages` after the generated turn (masked) and
+        give the trajectory its next turn, or end it when the response budget ran out."""
+        assert self.chat is not None
+        ids = self.chat.inserted_ids(state.messages, messages, state.turn_end)
+        if self._append_ids(state, ids):
+            self._continue(state, deferred, lockstep)
+        else:
+            self._start_probe(state)
 
     def _continue(self, state: _State, deferred: list[_State], lockstep: bool) -> None:
         if lockstep:
@@ -396,6 +564,11 @@ class AgentLoop:
     def _append_observation(self, state: _State, text: str) -> bool:
         """Append masked observation tokens; False when the response budget ran out."""
         ids = self.tokenizer.encode(text, add_special_tokens=False)[: self.settings.max_obs_length]
+        return self._append_ids(state, ids)
+
+    def _append_ids(self, state: _State, ids: list[int]) -> bool:
+        """Append masked (loss_mask 0, log-prob 0) tokens the environment inserted; False when
+        the response budget ran out (the trajectory then ends with finish_reason length)."""
         room = self.settings.max_response_length - len(state.response)
         truncated = len(ids) >= room
         ids = ids[: max(room, 0)]
@@ -415,7 +588,7 @@ class AgentLoop:
     def _apply_results(
         self,
         future: Future,
-        batch: list[tuple[_State, str]],
+        batch: list[tuple[_State, str, int | None]],
         deferred: list[_State],
         lockstep: bool,
     ) -> list[_State]:
@@ -423,13 +596,21 @@ class AgentLoop:
             results = future.result()
         except RetrieverError as exc:
             log.error("retrieval failed for %d trajectories: %s", len(batch), exc)
-            for state, _ in batch:
-                state.finish_reason = "error"
-                state.error = str(exc)
-                self.engine.release(id(state))
-            return [state for state, _ in batch]
+            for state, _, _ in batch:
+                if state.finish_reason is None:
+                    state.finish_reason = "error"
+                    state.error = str(exc)
+                    self.engine.release(id(state))
+                if self.tool_mode:
+                    metrics.TOOL_CALLS.labels("search", "error").inc()
+            return list({id(state): state for state, _, _ in batch}.values())
         touched = []
-        for (state, _), docs in zip(batch, results, strict=True):
+        for (state, _, slot), docs in zip(batch, results, strict=True):
+            if slot is not None:  # a search tool call: fill its slot, go on once all are in
+                if state.finish_reason is None and self._search_result(state, slot, docs):
+                    self._finish_tool_turn(state, deferred, lockstep)
+                touched.append(state)
+                continue
             if isinstance(docs, QueryRejected):  # this query only: the others are answered
                 observation = docs.observation()
             else:
@@ -499,6 +680,13 @@ class AgentLoop:
 
     # ------------------------------------------------------------------ records
 
+    def _extra(self, state: _State) -> dict[str, Any]:
+        """The group's extra; with tool calls, per-tool calls/failures/seconds under "tools"."""
+        extra = dict(state.group.extra)
+        if self.tool_mode:
+            extra["tools"] = state.tool_stats.as_dict()
+        return extra
+
     def _trajectory(self, state: _State) -> Trajectory:
         group = state.group
         versions = [turn.policy_version for turn in state.turns]
@@ -516,7 +704,7 @@ class AgentLoop:
             finish_reason=state.finish_reason or "error",
             num_searches=state.searches,
             ground_truth=group.ground_truth,
-            extra=dict(group.extra),
+            extra=self._extra(state),
             probe=state.probe,
             kind=group.kind,
             error=state.error,

@@ -30,3 +30,12 @@ PREFIX_CACHE_RESET_FAILURES = Counter(
     "forage_rollout_prefix_cache_reset_failures",
     "Failed attempts to drop prefix-cache blocks computed with old weights (vLLM)",
 )
+TOOL_CALLS = Counter(
+    "forage_rollout_tool_calls", "Tool calls (rollout.protocol tool_calls) by tool and outcome",
+    ["tool", "outcome"],
+)
+TOOL_LATENCY = Histogram(
+    "forage_rollout_tool_latency_seconds",
+    "Seconds from a tool call's parse to its result (search: queueing + batched /retrieve)",
+    ["tool"], buckets=(0.0001, 0.001, 0.005, 0.025, 0.1, 0.5, 1, 2.5, 10, 30),
+)

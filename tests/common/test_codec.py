@@ -67,7 +67,7 @@ def trajectories(draw) -> Trajectory:
         Turn(
             start=a,
             end=b,
-            action=draw(st.sampled_from(["search", "answer", "invalid", "none"])),
+            action=draw(st.sampled_from(["search", "answer", "invalid", "none", "tool"])),
             query=draw(st.none() | text),
             policy_version=draw(st.integers(0, 1000)),
         )

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from services.common.config.base import Section
+from services.common.tools import tool_specs
 
 # `rollout.max_batch_size` when the config leaves it out, per engine. vLLM's own default for
 # `max_num_seqs` (its LLM class on a GPU under 70 GiB; 1024 on H100/H200-class GPUs) sizes a
@@ -41,6 +42,13 @@ class RolloutSection(Section):
     seed: int = 0
     # Stop strings of a policy turn (Search-R1's); math tasks without tags can set [].
     stop_strings: list[str] = Field(default_factory=lambda: ["</search>", "</answer>"])
+    # How the policy acts (docs/rollout.md, "Tool calls"): "tags" is Search-R1's free text
+    # (<search>q</search>, <information> observations); "tool_calls" renders `tools` through the
+    # model's chat template and parses Hermes <tool_call>{...}</tool_call> calls (the
+    # stop_strings above are then replaced by </tool_call> and the template's end of turn).
+    protocol: Literal["tags", "tool_calls"] = "tags"
+    # Tools of the tool_calls protocol, by name from services.common.tools.TOOL_REGISTRY.
+    tools: list[str] = Field(default_factory=lambda: ["search"])
     # continuous: trajectories return to the engine as soon as their observation is ready;
     # lockstep: Search-R1's turn-synchronous schedule (a baseline, see bench/rollout.py).
     scheduling: Literal["continuous", "lockstep"] = "continuous"
@@ -87,6 +95,16 @@ class RolloutSection(Section):
     def _relay_switch(cls, value: Any) -> Any:
         """YAML reads a bare `off` as false (and `on` as true): take them as the words."""
         return ("auto" if value else "off") if isinstance(value, bool) else value
+
+    @field_validator("tools")
+    @classmethod
+    def _known_tools(cls, value: list[str]) -> list[str]:
+        """Refuse unknown or repeated tool names when the config loads, not mid-run."""
+        try:
+            tool_specs(value)
+        except KeyError as exc:
+            raise ValueError(exc.args[0]) from None
+        return value
 
     @field_validator("max_batch_size", mode="before")
     @classmethod

@@ -1,0 +1,202 @@
+"""Parse a policy turn's tool calls in Hermes format (docs/rollout.md, "Tool calls").
+
+    <tool_call>
+    {"name": "search", "arguments": {"query": "Brixol"}}
+    </tool_call>
+
+is what Qwen2.5's and Qwen3's chat templates teach and what ChatML models fine-tuned on Hermes
+data emit. The text is sampled, so anything can be inside the tags: every block becomes either
+a `ToolCall` (known tool, arguments valid against its schema) or a `ToolCallError` whose
+`message` is written for the model to read as the tool's answer. A bad call is the policy's
+mistake, to be seen and learnt from; it never errors the trajectory. Pure functions: no I/O,
+nothing evaluated (json.loads only).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from services.common.tools import ToolSpec
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+_BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+# The user turn a tool_calls policy gets after a turn that neither called a tool nor answered
+# (the counterpart of Search-R1's corrective message in the tags protocol).
+TOOL_CORRECTIVE_MESSAGE = (
+    "Your previous message neither called a tool nor gave the final answer. To call a tool, "
+    'write <tool_call>{"name": "<tool name>", "arguments": {...}}</tool_call>. To give the '
+    "final answer, write it between <answer> and </answer>."
+)
+# Longest raw call text quoted back to the model in an error message.
+_QUOTE_CHARS = 200
+
+ErrorKind = Literal["malformed_json", "not_a_call", "unknown_tool", "bad_arguments", "unterminated"]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A well-formed call of a declared tool with arguments that match its schema."""
+
+    name: str
+    arguments: dict[str, Any]
+    raw: str = ""
+
+
+@dataclass(frozen=True)
+class ToolCallError:
+    """A call that cannot run; `message` is the observation the model gets instead."""
+
+    kind: ErrorKind
+    message: str
+    name: str | None = None
+    raw: str = ""
+
+
+Parsed = ToolCall | ToolCallError
+
+
+@dataclass(frozen=True)
+class TurnParse:
+    """What one assistant turn did: its tool calls (in order) or its answer, or neither."""
+
+    calls: list[Parsed] = field(default_factory=list)
+    answer: str | None = None
+
+    @property
+    def action(self) -> Literal["tool", "answer", "invalid"]:
+        if self.answer is not None:
+            return "answer"
+        return "tool" if self.calls else "invalid"
+
+
+def parse_turn(text: str, specs: Sequence[ToolSpec]) -> TurnParse:
+    """An answer wins if its `<answer>...</answer>` closes before the first `<tool_call>`
+    opens; otherwise every tool-call block of the turn is parsed (an answer after a tool call
+    is ignored: the call's result was not seen yet)."""
+    answer = _ANSWER.search(text)
+    first_call = text.find(TOOL_CALL_OPEN)
+    if answer is not None and (first_call == -1 or answer.end() <= first_call):
+        return TurnParse(answer=answer.group(1).strip())
+    return TurnParse(calls=parse_tool_calls(text, specs))
+
+
+def parse_tool_calls(text: str, specs: Sequence[ToolSpec]) -> list[Parsed]:
+    """Every `<tool_call>...</tool_call>` block of `text`, in order, parsed and validated; an
+    opened block that never closes (the turn ran out of tokens) is an `unterminated` error."""
+    by_name = {spec.name: spec for spec in specs}
+    parsed: list[Parsed] = [parse_call(m.group(1), by_name) for m in _BLOCK.finditer(text)]
+    tail = text.rfind(TOOL_CALL_OPEN)
+    if tail != -1 and text.find(TOOL_CALL_CLOSE, tail) == -1:
+        raw = text[tail + len(TOOL_CALL_OPEN):]
+        parsed.append(ToolCallError(
+            "unterminated", f"Error: the tool call was not closed with {TOOL_CALL_CLOSE}.",
+            raw=raw))
+    return parsed
+
+
+def parse_call(body: str, tools: Mapping[str, ToolSpec]) -> Parsed:
+    """One block's content: JSON `{"name": str, "arguments": object}` of a declared tool."""
+    raw = body.strip()
+    try:
+        payload = json.loads(raw)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        detail = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+        return ToolCallError(
+            "malformed_json",
+            f"Error: the tool call is not valid JSON ({detail}): {_quote(raw)}. Write "
+            f'<tool_call>{{"name": "<tool name>", "arguments": {{...}}}}</tool_call>.',
+            raw=raw)
+    if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+        return ToolCallError(
+            "not_a_call",
+            'Error: a tool call must be a JSON object with a "name" string and an '
+            f'"arguments" object, got: {_quote(raw)}.', raw=raw)
+    name = payload["name"]
+    spec = tools.get(name)
+    if spec is None:
+        known = ", ".join(sorted(tools)) or "none"
+        return ToolCallError("unknown_tool", f"Error: unknown tool {name!r}. Available tools: {known}.",
+                             name=name, raw=raw)
+    arguments = payload.get("arguments", payload.get("parameters", {}))
+    if isinstance(arguments, str):  # OpenAI's wire format sends arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except (json.JSONDecodeError, RecursionError):
+            pass
+    if not isinstance(arguments, dict):
+        return ToolCallError("bad_arguments",
+                             f'Error: the "arguments" of {name} must be a JSON object.',
+                             name=name, raw=raw)
+    problem = validate(arguments, spec.parameters)
+    if problem is not None:
+        return ToolCallError("bad_arguments", f"Error: bad arguments for {name}: {problem}.",
+                             name=name, raw=raw)
+    return ToolCall(name, arguments, raw)
+
+
+def validate(value: Any, schema: Mapping[str, Any]) -> str | None:
+    """First problem of `value` against `schema` (None: valid). jsonschema when it is
+    installed, else `validate_small`, which covers the keywords Forage's tools use."""
+    try:
+        import jsonschema
+    except ImportError:  # not a runtime dependency of the rollout
+        return validate_small(value, schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    error = jsonschema.exceptions.best_match(validator.iter_errors(value))
+    if error is None:
+        return None
+    where = "/".join(str(part) for part in error.absolute_path)
+    return f"{where}: {error.message}" if where else error.message
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "object": (dict,), "array": (list,), "string": (str,), "boolean": (bool,),
+    "integer": (int,), "number": (int, float), "null": (type(None),),
+}
+
+
+def validate_small(value: Any, schema: Mapping[str, Any], where: str = "") -> str | None:
+    """A small JSON-schema subset: type, properties, required, additionalProperties (false),
+    enum, items. Wording follows jsonschema's so both paths read alike to the model."""
+    prefix = f"{where}: " if where else ""
+    expected = schema.get("type")
+    if expected is not None:
+        types = [expected] if isinstance(expected, str) else list(expected)
+        ok = any(isinstance(value, _TYPES[t]) and not (t in ("integer", "number")
+                                                       and isinstance(value, bool))
+                 for t in types if t in _TYPES)
+        if not ok:
+            return f"{prefix}{json.dumps(value)[:_QUOTE_CHARS]} is not of type {', '.join(map(repr, types))}"
+    if "enum" in schema and value not in schema["enum"]:
+        return f"{prefix}{json.dumps(value)[:_QUOTE_CHARS]} is not one of {schema['enum']}"
+    if isinstance(value, dict):
+        properties = schema.get("properties", {})
+        for key in schema.get("required", []):
+            if key not in value:
+                return f"{prefix}{key!r} is a required property"
+        if schema.get("additionalProperties") is False:
+            extra = sorted(set(value) - set(properties))
+            if extra:
+                return (f"{prefix}Additional properties are not allowed "
+                        f"({', '.join(map(repr, extra))} {'was' if len(extra) == 1 else 'were'} unexpected)")
+        for key, sub in properties.items():
+            if key in value:
+                problem = validate_small(value[key], sub, f"{where}/{key}".lstrip("/"))
+                if problem is not None:
+                    return problem
+    if isinstance(value, list) and isinstance(schema.get("items"), Mapping):
+        for index, item in enumerate(value):
+            problem = validate_small(item, schema["items"], f"{where}/{index}".lstrip("/"))
+            if problem is not None:
+                return problem
+    return None
+
+
+def _quote(raw: str) -> str:
+    return raw if len(raw) <= _QUOTE_CHARS else raw[:_QUOTE_CHARS] + "..."

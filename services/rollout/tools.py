@@ -1,0 +1,139 @@
+"""The loop side of `rollout.protocol: tool_calls` (docs/rollout.md, "Tool calls").
+
+`ChatTurns` computes the tokens of the turns the environment inserts (a `tool` message, or a
+corrective `user` message) from the model's own chat template, without ever re-tokenising an
+earlier turn: the inserted text is the difference between rendering a conversation that ends
+with an assistant message and rendering the same conversation with the new messages and the
+next assistant header, plus whatever of the assistant turn's closing text (`<|im_end|>\\n` in
+ChatML) the policy did not generate itself because generation stopped at `</tool_call>`. Only
+that text is encoded, on its own, and appended after the generated ids, so the ids trained on
+are exactly prompt ids + generated ids + inserted ids.
+
+`run_calculator` runs the synchronous tool; `search` calls are batched by the agent loop through
+the existing RetrieverClient (services.rollout.agent).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from services.common.calculator import CalculatorError, evaluate, format_result
+from services.common.tools import ToolSpec
+
+log = logging.getLogger("forage.rollout.tools")
+
+# Assistant content used to find where the template closes an assistant turn. Any text would
+# do; this one cannot collide with what the template adds around it.
+PLACEHOLDER = "FORAGE-ASSISTANT-TURN-PLACEHOLDER"
+
+
+class TemplateError(ValueError):
+    """The chat template cannot be extended by concatenation (see ChatTurns)."""
+
+
+class ChatTurns:
+    """Token ids of prompts and inserted turns for one tokenizer + chat template + tool set.
+
+    Rules (checked, TemplateError otherwise): rendering a conversation with more messages must
+    start with the rendering of the shorter one (a template that rewrites earlier turns when a
+    later one arrives cannot be extended by concatenation), and the assistant turn must be
+    closed by text that follows its content.
+    """
+
+    def __init__(self, tokenizer: Any, specs: Sequence[ToolSpec]) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise TemplateError("rollout.protocol tool_calls needs a tokenizer with a chat template")
+        self.tokenizer = tokenizer
+        self.tools = [spec.schema() for spec in specs]
+        closed = self.render([{"role": "user", "content": "q"}, self._assistant()], False)
+        self.closer = closed[closed.rindex(PLACEHOLDER) + len(PLACEHOLDER):]
+        ids = tokenizer.encode(self.closer, add_special_tokens=False) if self.closer else []
+        special = set(getattr(tokenizer, "all_special_ids", []) or [])
+        # The template's end-of-turn token: the first token of the closer when it is special
+        # (<|im_end|> in ChatML). Generation stops on it as on `</tool_call>`.
+        self.end_of_turn: str | None = None
+        if ids and ids[0] in special:
+            self.end_of_turn = tokenizer.convert_ids_to_tokens(ids[0])
+        bare = self.render([{"role": "user", "content": "q"}], True, tools=False)
+        self.shows_tools = self.render([{"role": "user", "content": "q"}], True) != bare
+        if not self.shows_tools:
+            log.warning("the chat template ignores tools=: the policy is not shown the tool "
+                        "declarations (say them in the prompt)")
+
+    def render(self, messages: Sequence[Mapping[str, Any]], generation_prompt: bool,
+               tools: bool = True) -> str:
+        text = self.tokenizer.apply_chat_template(
+            list(messages), tools=self.tools if tools else None, tokenize=False,
+            add_generation_prompt=generation_prompt)
+        return str(text)
+
+    def prompt_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The prompt as the template renders it with the tools, ending in the assistant header.
+        Rendered to text and encoded once (what `apply_chat_template(tokenize=True)` does)."""
+        return list(self.tokenizer.encode(self.render(messages, True), add_special_tokens=False))
+
+    def inserted_text(self, context: Sequence[Mapping[str, Any]],
+                      new_messages: Sequence[Mapping[str, Any]], generated_end: str = "") -> str:
+        """Text that follows a generated assistant turn: the rest of the template's closer, the
+        new messages and the next assistant header.
+
+        `context` is the conversation before the assistant turn (the prompt messages). The
+        assistant turn is rendered with a placeholder content: only what comes after it is
+        used, so its content never matters and is never re-tokenised. `generated_end` is the
+        text of the turn's last generated token when the turn ended on the end-of-turn token
+        itself (EOS), so that it is not inserted twice.
+        """
+        before = [*context, self._assistant()]
+        without = self.render(before, False)
+        with_new = self.render([*before, *new_messages], True)
+        if not with_new.startswith(without):
+            raise TemplateError("the chat template renders earlier turns differently once a "
+                                f"{new_messages[0].get('role')!r} message follows; the turn "
+                                "cannot be appended by token concatenation")
+        closer = self.closer
+        if generated_end and closer.startswith(generated_end):
+            closer = closer[len(generated_end):]
+        return closer + with_new[len(without):]
+
+    def inserted_ids(self, context: Sequence[Mapping[str, Any]],
+                     new_messages: Sequence[Mapping[str, Any]], generated_end: str = "") -> list[int]:
+        """`inserted_text` encoded on its own (special tokens of the template recognised)."""
+        text = self.inserted_text(context, new_messages, generated_end)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    @staticmethod
+    def _assistant() -> dict[str, str]:
+        return {"role": "assistant", "content": PLACEHOLDER}
+
+
+def run_calculator(arguments: Mapping[str, Any]) -> tuple[str, bool]:
+    """(observation text, ok). A refused expression is an observation, never an exception."""
+    try:
+        return format_result(evaluate(arguments.get("expression", ""))), True
+    except CalculatorError as exc:
+        return f"Error: {exc}", False
+
+
+class ToolStats:
+    """Per-tool calls, failures and latency of one trajectory (trajectory.extra['tools'])."""
+
+    def __init__(self) -> None:
+        self.by_tool: dict[str, dict[str, float]] = {}
+
+    def record(self, tool: str, ok: bool, seconds: float) -> None:
+        entry = self.by_tool.setdefault(tool, {"calls": 0, "failures": 0, "seconds": 0.0})
+        entry["calls"] += 1
+        entry["failures"] += 0 if ok else 1
+        entry["seconds"] = round(entry["seconds"] + seconds, 6)
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        return {name: dict(entry) for name, entry in self.by_tool.items()}
+
+
+def timed_calculator(arguments: Mapping[str, Any]) -> tuple[str, bool, float]:
+    started = time.perf_counter()
+    text, ok = run_calculator(arguments)
+    return text, ok, time.perf_counter() - started
