@@ -10,7 +10,8 @@ same declarations without importing the rollout service.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,3 +79,41 @@ def tool_specs(names: Sequence[str]) -> list[ToolSpec]:
     if len(set(names)) != len(names):
         raise KeyError(f"tools listed twice: {list(names)}")
     return [TOOL_REGISTRY[name] for name in names]
+
+
+# Names a tool may have: OpenAI's function-name rule, which chat templates and Hermes-trained
+# models assume (no spaces or quotes that would break the rendered declarations).
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class ToolRetry(Exception):
+    """Raise from a user tool for a transient failure worth another attempt (as are OSError
+    and its subclasses: ConnectionError, TimeoutError); any other exception is the tool's
+    answer, reported to the model without a retry (docs/rollout.md, "Tool calls")."""
+
+
+def check_tool_name(name: str) -> str | None:
+    """Why `name` cannot be a tool name, or None."""
+    if not TOOL_NAME.match(name):
+        return f"tool name {name!r} must be 1-64 letters, digits, '_' or '-'"
+    return None
+
+
+def check_parameters(schema: Any) -> str | None:
+    """Why `schema` cannot describe a call's arguments, or None. The arguments are a JSON
+    object, so the schema must be one of an object; jsonschema (when installed) checks the
+    rest of it against its metaschema, so a typo fails at config load, not on the first call."""
+    if not isinstance(schema, Mapping):
+        return "parameters must be a JSON schema (a mapping)"
+    if schema.get("type") != "object":
+        return 'parameters must be the JSON schema of an object ("type": "object")'
+    try:
+        import jsonschema
+    except ImportError:  # the small validator takes any mapping
+        return None
+    try:
+        jsonschema.Draft202012Validator.check_schema(dict(schema))
+    except jsonschema.exceptions.SchemaError as exc:
+        where = "/".join(str(part) for part in exc.absolute_path)
+        return f"parameters are not a valid JSON schema ({where or 'top'}: {exc.message})"
+    return None

@@ -43,7 +43,7 @@ from services.common.tool_calls import (
     ToolCallError,
     parse_turn,
 )
-from services.common.tools import ToolSpec, tool_specs
+from services.common.tools import ToolSpec
 from services.common.trajectory import Probe, PromptGroup, Trajectory, Turn
 from services.rollout import metrics
 from services.rollout.engine import Engine, GenerationOutput, GenerationRequest, SamplingParams
@@ -56,6 +56,7 @@ from services.rollout.probe import (
     reasoning_span,
 )
 from services.rollout.retrieval import QueryRejected, RetrieverClient, RetrieverError
+from services.rollout.tool_runner import Toolbox, ToolResult, ToolRunner
 from services.rollout.tools import ChatTurns, ToolStats, timed_calculator
 
 log = logging.getLogger("forage.rollout.agent")
@@ -75,7 +76,9 @@ class LoopSettings:
     stop_strings: tuple[str, ...] = STOP_STRINGS
     scheduling: Literal["continuous", "lockstep"] = "continuous"
     protocol: Literal["tags", "tool_calls"] = "tags"
-    tools: tuple[str, ...] = ("search",)
+    # Built-in names and user tools (services.common.config.rollout.UserTool or its mapping).
+    tools: tuple[Any, ...] = ("search",)
+    mcp_servers: tuple[Any, ...] = ()  # McpServer entries (or mappings)
 
     @classmethod
     def from_config(cls, rollout: Any) -> LoopSettings:
@@ -93,6 +96,7 @@ class LoopSettings:
             scheduling=rollout.scheduling,
             protocol=getattr(rollout, "protocol", "tags"),
             tools=tuple(getattr(rollout, "tools", ("search",))),
+            mcp_servers=tuple(getattr(rollout, "mcp_servers", ())),
         )
 
 
@@ -155,8 +159,15 @@ class AgentLoop:
         self.tool_mode = settings.protocol == "tool_calls"
         self.tool_specs: list[ToolSpec] = []
         self.chat: ChatTurns | None = None
+        self.toolbox: Toolbox | None = None
+        self.runner: ToolRunner | None = None
         if self.tool_mode:
-            self.tool_specs = tool_specs(settings.tools)
+            # User functions are loaded and MCP servers listed here, at replica start: a bad
+            # entry stops the replica with a one-line ToolLoadError naming it.
+            self.toolbox = Toolbox.build(settings.tools, settings.mcp_servers)
+            self.runner = self.toolbox.runner
+            self.tool_specs = self.toolbox.specs
+            self._tool_names = frozenset(self.toolbox.names)
             self.chat = ChatTurns(self.tokenizer, self.tool_specs)
             stops = [TOOL_CALL_CLOSE]
             eos_ids = getattr(engine, "eos_ids", frozenset())
@@ -311,6 +322,15 @@ class AgentLoop:
                     if newcomers:
                         start(newcomers)
             idle = not self.engine.has_unfinished()
+            runner = self.runner
+            if runner is not None and runner.pending:  # user / MCP tools: poll, never block
+                if idle and inflight is None and not searches:
+                    runner.wait(0.05)  # nothing to decode: sleep until a result may be in
+                for result in runner.poll():
+                    state = self._tool_result(result, deferred, lockstep)
+                    finish_check(state)
+                idle = not self.engine.has_unfinished()
+            tools_pending = runner is not None and runner.pending > 0
             if inflight is None and searches and (not lockstep or idle):
                 batch, searches = searches, []
                 inflight = (self._pool.submit(self._retrieve, [item[1] for item in batch]), batch)
@@ -320,7 +340,8 @@ class AgentLoop:
                 for state in self._apply_results(future, batch, deferred, lockstep):
                     finish_check(state)
                 idle = not self.engine.has_unfinished()
-            if lockstep and idle and inflight is None and not searches and deferred:
+            if lockstep and idle and inflight is None and not searches and deferred \
+                    and not tools_pending:
                 for state in deferred:
                     self._submit_turn(state)
                 deferred.clear()
@@ -328,7 +349,8 @@ class AgentLoop:
             if now - rate_from >= 10.0:  # a fed run may never end: report the rate as it goes
                 metrics.TOKENS_PER_S.set((self._tokens() - rate_tokens) / (now - rate_from))
                 rate_from, rate_tokens = now, self._tokens()
-            if not self.engine.has_unfinished() and inflight is None and not searches:
+            if not self.engine.has_unfinished() and inflight is None and not searches \
+                    and not (self.runner is not None and self.runner.pending):
                 if not deferred:
                     break
         elapsed = max(time.perf_counter() - rate_from, 1e-9)
@@ -340,6 +362,8 @@ class AgentLoop:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.toolbox is not None:
+            self.toolbox.close()
 
     # ------------------------------------------------------------------ turns
 
@@ -489,7 +513,7 @@ class AgentLoop:
         for slot, call in enumerate(parsed.calls):
             if isinstance(call, ToolCallError):
                 # Names are sampled text: anything undeclared counts as "unknown" (bounded labels).
-                name = call.name if call.name in self.settings.tools else "unknown"
+                name = call.name if call.name in self._tool_names else "unknown"
                 metrics.TOOL_CALLS.labels(name, call.kind).inc()
                 state.tool_stats.record(name, False, 0.0)
                 state.tool_results[slot] = (name, call.message)
@@ -503,11 +527,32 @@ class AgentLoop:
                 searches.append((state, str(call.arguments["query"]), slot))
                 state.search_started[slot] = time.perf_counter()
                 pending = True
+            elif self.runner is not None and call.name in self.runner:
+                self.runner.submit((state, slot), call)  # answered by _tool_result
+                pending = True
             else:  # declared in the registry but no runner here: say so to the model
                 state.tool_results[slot] = (call.name, f"Error: tool {call.name!r} is not available.")
         if pending:
             return None
         self._finish_tool_turn(state, deferred, lockstep)
+        return state
+
+    def _tool_result(self, result: ToolResult, deferred: list[_State], lockstep: bool) -> _State:
+        """A user or MCP call finished (or timed out): fill its slot, and once every call of
+        the turn has its result, insert the tool turn. A trajectory that ended meanwhile (a
+        retriever outage) only counts it."""
+        state, slot = result.key
+        metrics.TOOL_CALLS.labels(result.name, result.outcome).inc()
+        metrics.TOOL_LATENCY.labels(result.name).observe(result.seconds)
+        if result.retries:
+            metrics.TOOL_RETRIES.labels(result.name).inc(result.retries)
+        state.tool_stats.record(result.name, result.ok, result.seconds,
+                                timeout=result.outcome == "timeout", retries=result.retries)
+        if state.finish_reason is not None or slot >= len(state.tool_results):
+            return state
+        state.tool_results[slot] = (result.name, result.text)
+        if all(item is not None for item in state.tool_results):
+            self._finish_tool_turn(state, deferred, lockstep)
         return state
 
     def _search_result(self, state: _State, slot: int, docs: Any) -> bool:

@@ -34,6 +34,11 @@ TOOL_CALLS = Counter(
     "forage_rollout_tool_calls", "Tool calls (rollout.protocol tool_calls) by tool and outcome",
     ["tool", "outcome"],
 )
+TOOL_RETRIES = Counter(
+    "forage_rollout_tool_retries",
+    "Further attempts of user and MCP tool calls after a transient failure, by tool",
+    ["tool"],
+)
 TOOL_LATENCY = Histogram(
     "forage_rollout_tool_latency_seconds",
     "Seconds from a tool call's parse to its result (search: queueing + batched /retrieve)",

@@ -123,10 +123,16 @@ class ToolStats:
     def __init__(self) -> None:
         self.by_tool: dict[str, dict[str, float]] = {}
 
-    def record(self, tool: str, ok: bool, seconds: float) -> None:
-        entry = self.by_tool.setdefault(tool, {"calls": 0, "failures": 0, "seconds": 0.0})
+    def record(self, tool: str, ok: bool, seconds: float, timeout: bool = False,
+               retries: int = 0) -> None:
+        """One call: `timeout` when it was answered by its tool's timeout (also a failure),
+        `retries` the further attempts it took after transient failures."""
+        entry = self.by_tool.setdefault(
+            tool, {"calls": 0, "failures": 0, "timeouts": 0, "retries": 0, "seconds": 0.0})
         entry["calls"] += 1
         entry["failures"] += 0 if ok else 1
+        entry["timeouts"] += 1 if timeout else 0
+        entry["retries"] += retries
         entry["seconds"] = round(entry["seconds"] + seconds, 6)
 
     def as_dict(self) -> dict[str, dict[str, float]]:

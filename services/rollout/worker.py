@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from services.rollout.agent import AgentLoop, LoopSettings
 from services.rollout.engines import make_engine
 from services.rollout.probe import ProbeSettings
 from services.rollout.retrieval import RetrieverClient
+from services.rollout.tool_runner import ToolLoadError
 
 log = logging.getLogger("forage.rollout")
 
@@ -502,4 +504,10 @@ class RolloutWorker:
 
 def serve(config: Any) -> int:
     setup_logging("rollout", run_id=config.run_id, level=config.log_level)
-    return RolloutWorker(config).run()
+    try:
+        worker = RolloutWorker(config)
+    except ToolLoadError as exc:  # a bad rollout.tools / mcp_servers entry: one line, no trace
+        log.error("%s", exc)
+        print(f"forage rollout: error: {exc}", file=sys.stderr)
+        return 2
+    return worker.run()

@@ -104,7 +104,7 @@ def test_config_keys_default_to_tags_and_refuse_unknown_tools():
                                 "rollout.tools=[search, calculator]"])
     assert config.rollout.protocol == "tool_calls"
     assert config.rollout.tools == ["search", "calculator"]
-    with pytest.raises(Exception, match="unknown tools"):
+    with pytest.raises(Exception, match="unknown tool .browser."):
         load_config(None, ["rollout.tools=[browser]"])
     with pytest.raises(Exception, match="protocol"):
         load_config(None, ["rollout.protocol=json"])

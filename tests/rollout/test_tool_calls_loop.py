@@ -159,7 +159,7 @@ def check_concatenation(engine, url):
                                                    "arguments": {"expression": "1907 - 1900"}})),
         ("answer", "Corvale")]
     assert traj.extra["tools"]["search"]["calls"] == 1
-    assert traj.extra["tools"]["calculator"] == {"calls": 1, "failures": 0,
+    assert traj.extra["tools"]["calculator"] == {"calls": 1, "failures": 0, "timeouts": 0, "retries": 0,
                                                  "seconds": traj.extra["tools"]["calculator"]["seconds"]}
     # the engine stopped each call turn at the end of `</tool_call>` (several tokens here)
     assert len(tok.encode("</tool_call>", add_special_tokens=False)) > 1
@@ -281,7 +281,8 @@ def test_bad_calls_are_observations_and_the_trajectory_goes_on(engine, retriever
     assert [t.action for t in traj.turns] == ["tool", "tool", "tool", "tool", "invalid", "answer"]
     assert traj.extra["tools"]["unknown"]["failures"] == 2  # the malformed call and "browser"
     assert traj.extra["tools"]["calculator"]["failures"] == 1
-    assert traj.extra["tools"]["search"] == {"calls": 1, "failures": 1, "seconds": 0.0}
+    assert traj.extra["tools"]["search"] == {"calls": 1, "failures": 1, "timeouts": 0, "retries": 0,
+                                             "seconds": 0.0}
 
 
 @pytest.mark.parametrize("scheduling", ["continuous", "lockstep"])

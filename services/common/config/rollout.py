@@ -4,16 +4,79 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from services.common.config.base import Section
-from services.common.tools import tool_specs
+from services.common.tools import TOOL_REGISTRY, check_parameters, check_tool_name
 
 # `rollout.max_batch_size` when the config leaves it out, per engine. vLLM's own default for
 # `max_num_seqs` (its LLM class on a GPU under 70 GiB; 1024 on H100/H200-class GPUs) sizes a
 # GPU replica; 32 suits the transformers engine on CPU, where every running row costs
 # compute each step.
 DEFAULT_MAX_BATCH_SIZE: dict[str, int] = {"vllm": 256, "transformers": 32}
+
+
+class ToolLimits(Section):
+    """Limits of a user or MCP tool (docs/rollout.md, "Tool calls"). `timeout_s` bounds a call
+    from its parse to its result, waiting for a concurrency slot and retries included;
+    `max_concurrency` is the most calls of this tool in flight across the replica's batch;
+    `retries` are further attempts after a transient failure (OSError, ToolRetry, a lost MCP
+    connection), never after a timeout or the tool's own error."""
+
+    timeout_s: float = Field(default=30.0, gt=0)
+    max_concurrency: int = Field(default=8, ge=1)
+    retries: int = Field(default=0, ge=0, le=10)
+
+
+class UserTool(ToolLimits):
+    """A Python function the policy may call: `function` is `path/to/tools.py:function` (or
+    `module:function`), loaded like a reward plug-in when the replica starts; `parameters` is
+    the JSON schema of its keyword arguments (checked when the config loads)."""
+
+    function: str
+    name: str = ""  # the name the model calls; default: the function's name
+    description: str = ""  # default: the function's docstring, first paragraph
+    parameters: dict[str, Any]
+
+    @model_validator(mode="after")
+    def _check(self) -> UserTool:
+        _, sep, attr = self.function.rpartition(":")
+        if not sep or not attr or not _:
+            raise ValueError(f"function {self.function!r} must look like "
+                             "'path/to/tools.py:function' or 'module:function'")
+        if not self.name:
+            self.name = attr.split(".")[-1]
+        problem = check_tool_name(self.name) or check_parameters(self.parameters)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+
+class McpServer(ToolLimits):
+    """A Model Context Protocol server whose tools the policy may call: `command` (+ `args`,
+    `env`) starts one over stdio, `url` reaches one over streamable HTTP. Its tools keep their
+    own names, with `prefix` before each when given; limits apply to each of its tools."""
+
+    name: str
+    command: str = ""
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    url: str = ""
+    prefix: str = ""
+    # Only these tools of the server (empty: all it lists).
+    include: list[str] = Field(default_factory=list)
+    # Starting (or reaching) the server, the handshake and listing its tools.
+    connect_timeout_s: float = Field(default=30.0, gt=0)
+    retries: int = Field(default=1, ge=0, le=10)  # one reconnect after a lost connection
+
+    @model_validator(mode="after")
+    def _check(self) -> McpServer:
+        if bool(self.command) == bool(self.url):
+            raise ValueError(f"MCP server {self.name!r} needs exactly one of command (stdio) "
+                             "or url (streamable HTTP)")
+        if self.url and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"MCP server {self.name!r}: url must start with http:// or https://")
+        return self
 
 
 class RolloutSection(Section):
@@ -47,8 +110,12 @@ class RolloutSection(Section):
     # model's chat template and parses Hermes <tool_call>{...}</tool_call> calls (the
     # stop_strings above are then replaced by </tool_call> and the template's end of turn).
     protocol: Literal["tags", "tool_calls"] = "tags"
-    # Tools of the tool_calls protocol, by name from services.common.tools.TOOL_REGISTRY.
-    tools: list[str] = Field(default_factory=lambda: ["search"])
+    # Tools of the tool_calls protocol: built-ins by name (services.common.tools.TOOL_REGISTRY)
+    # and user tools as {function: path/to/tools.py:fn, parameters: {...}, ...} (UserTool).
+    tools: list[str | UserTool] = Field(default_factory=lambda: ["search"])
+    # MCP servers whose tools join `tools` when the replica starts (McpServer; needs the `mcp`
+    # extra: pip install -e .[mcp]).
+    mcp_servers: list[McpServer] = Field(default_factory=list)
     # continuous: trajectories return to the engine as soon as their observation is ready;
     # lockstep: Search-R1's turn-synchronous schedule (a baseline, see bench/rollout.py).
     scheduling: Literal["continuous", "lockstep"] = "continuous"
@@ -96,15 +163,48 @@ class RolloutSection(Section):
         """YAML reads a bare `off` as false (and `on` as true): take them as the words."""
         return ("auto" if value else "off") if isinstance(value, bool) else value
 
-    @field_validator("tools")
+    @field_validator("tools", mode="before")
     @classmethod
-    def _known_tools(cls, value: list[str]) -> list[str]:
-        """Refuse unknown or repeated tool names when the config loads, not mid-run."""
-        try:
-            tool_specs(value)
-        except KeyError as exc:
-            raise ValueError(exc.args[0]) from None
-        return value
+    def _known_tools(cls, value: Any) -> Any:
+        """Refuse unknown or repeated tool names and bad user-tool entries when the config
+        loads, not mid-run, in one line that names the entry (pydantic's union errors would
+        list every member's complaint)."""
+        if not isinstance(value, list):
+            return value
+        entries: list[str | UserTool] = []
+        for index, entry in enumerate(value):
+            label = f"tools[{index}]"
+            if isinstance(entry, str):
+                if ":" in entry:
+                    raise ValueError(f"{label} ({entry}): a user tool needs its JSON schema: "
+                                     f"write {{function: {entry}, parameters: {{type: object, "
+                                     "properties: {...}}}")
+                if entry not in TOOL_REGISTRY:
+                    raise ValueError(f"{label}: unknown tool {entry!r}; built-ins: "
+                                     f"{sorted(TOOL_REGISTRY)} (or a user tool: {{function: "
+                                     "path/to/tools.py:fn, parameters: ...})")
+                entries.append(entry)
+                continue
+            if isinstance(entry, UserTool):
+                entries.append(entry)
+                continue
+            if not isinstance(entry, dict):
+                raise ValueError(f"{label}: a tool is a built-in name or a mapping with "
+                                 "function and parameters")
+            try:
+                entries.append(UserTool.model_validate(entry))
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                where = ".".join(str(part) for part in first["loc"])
+                message = str(first["msg"]).removeprefix("Value error, ")
+                shown = entry.get("function", "?")
+                raise ValueError(f"{label} ({shown}): {where + ': ' if where else ''}"
+                                 f"{message}") from None
+        names = [entry if isinstance(entry, str) else entry.name for entry in entries]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"tools listed twice: {repeated}")
+        return entries
 
     @field_validator("max_batch_size", mode="before")
     @classmethod

@@ -11,17 +11,13 @@ numeric entries are kept as `name/key` components. Functions are named by regist
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import math
-import os
-import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.common import plugins
 from services.common.data_sources import BUILTIN_DATA_SOURCES
 
 FUNCTIONS_MODULE = "services.scorer.rewards.functions"
@@ -89,72 +85,9 @@ def load_ref(ref: str) -> Callable[..., Any]:
     is found there, so no PYTHONPATH is needed. The file form is verl's
     `custom_reward_function.path` + `.name`: the file is executed as a module of its own,
     relative paths counting from the working directory. Both forms resolve the same way in the
-    scorer's worker processes (services/scorer/pool.py)."""
-    module_part, sep, attr_path = ref.rpartition(":")
-    if not sep or not module_part or not attr_path:
-        raise ValueError(f"reward function {ref!r} must look like 'module:function' or "
-                         f"'path/to/file.py:function'")
-    if is_file_ref(module_part):
-        target: Any = _load_file(ref, module_part)
-    else:
-        target = _import_module(ref, module_part)
-    for attr in attr_path.split("."):
-        if not hasattr(target, attr):
-            raise ValueError(f"reward function {ref!r}: {module_part} has no {attr_path}")
-        target = getattr(target, attr)
-    if not callable(target):
-        raise ValueError(f"reward function {ref!r} is not callable")
-    return target
-
-
-def is_file_ref(module_part: str) -> bool:
-    """`path/to/reward.py` (a file) rather than `package.module`."""
-    return module_part.endswith(".py") or "/" in module_part or os.sep in module_part
-
-
-def _load_file(ref: str, file_part: str) -> Any:
-    path = Path(file_part).expanduser().resolve()
-    if not path.is_file():
-        shown = file_part if Path(file_part).is_absolute() else f"{file_part} (= {path})"
-        raise ValueError(f"reward function {ref!r}: file {shown} does not exist")
-    # One module per file, named after its absolute path, so two files with the same name do
-    # not replace each other and a second load of the same file is the cached module.
-    name = "forage_reward_" + hashlib.sha1(str(path).encode()).hexdigest()[:16]
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"reward function {ref!r}: {path} cannot be loaded as Python")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses / pickle-free helpers look their module up
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[name]
-        raise ValueError(f"reward function {ref!r}: {path} raised on import: "
-                         f"{type(exc).__name__}: {exc}") from None
-    return module
-
-
-def _import_module(ref: str, module_name: str) -> Any:
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        top = module_name.split(".")[0]
-        cwd = str(Path.cwd())
-        here = Path(cwd, *module_name.split("."))
-        in_cwd = here.with_suffix(".py").is_file() or (here / "__init__.py").is_file()
-        if exc.name != top or not in_cwd or cwd in sys.path:
-            raise ValueError(f"reward function {ref!r}: cannot import {module_name}: {exc}"
-                             ) from None
-    except ImportError as exc:
-        raise ValueError(f"reward function {ref!r}: cannot import {module_name}: {exc}") from None
-    # `python -m` puts the working directory on sys.path; the `forage` script does not.
-    sys.path.append(cwd)
-    try:
-        return importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"reward function {ref!r}: cannot import {module_name}: {exc}") from None
+    scorer's worker processes (services/scorer/pool.py). The loader is shared with the
+    rollout's user tools (services/common/plugins.py)."""
+    return plugins.load_ref(ref, f"reward function {ref!r}", module_prefix="forage_reward_")
 
 
 def resolve_function(name: str, isolated: bool | None = None) -> RewardFunction:
@@ -165,7 +98,7 @@ def resolve_function(name: str, isolated: bool | None = None) -> RewardFunction:
         load_ref(name)
         module_part, _, attr_path = name.rpartition(":")
         ref = name
-        if is_file_ref(module_part):  # pinned: a worker process may not share the cwd
+        if plugins.is_file_ref(module_part):  # pinned: a worker process may not share the cwd
             ref = f"{Path(module_part).expanduser().resolve()}:{attr_path}"
         function = RewardFunction(name=name, ref=ref)
     else:
