@@ -13,13 +13,20 @@ and each forced answer is scored with the same EM as the evaluation. A policy th
 evidence loses accuracy without it (real − none, real − swapped large); one that answers from
 memory does not (gaps near 0).
 
-The answer is forced as the truncation probe forces it at its 100% point (services/rollout/
-probe.py, docs/probe.md): the prefix is the response up to the policy's first `<answer>`
-(observations included), closed as the policy closes the block it ends inside, then
-`<answer>`, sampled at temperature 1 until `</answer>`. Prompts are built from token ids:
-prompt ids + the response's own token segments, with only the replacement blocks encoded
-(and cut to `max_obs_length`, as the agent loop cuts observations). The closer and the suffix
-are computed once, on the real prefix, so the three variants differ only in the blocks.
+The probe cuts each trajectory right after its last `<information>` block (before its first
+`<answer>`) and lets the policy write the rest of that turn again, sampled at temperature 1 up to
+`</answer>` (or `</search>`: a policy that searches again instead of answering scores 0), as
+many tokens as a turn may have. Cutting there matters: a policy that restates what it read
+("the passage says X") before answering would otherwise carry X into the `none` and `swapped`
+prompts, and a policy that copies its evidence would look as if it answered from memory
+(measured on the demo's final policy: gaps of 0.02-0.03 with the cut at its `<answer>`). And
+the policy writes its own closing reasoning rather than being forced to `<answer>` at once, as
+the truncation probe does: a policy trained to reason before it answers gets 2% right when
+forced at the block's end with its real evidence (the demo's final policy), which would
+measure the forcing, not the evidence. Prompts are built from token ids: prompt ids + the
+response's own token segments, with only the replacement blocks encoded (and cut to
+`max_obs_length`, as the agent loop cuts observations). Text the policy wrote between two
+searches (a second query may name a bridge entity it read in the first block) stays as it was.
 
 The swapped passages are retrieved for the donor question's text through the evaluation's own
 backend: recorded with `--retrieval record`, answered from the store with `--retrieval replay`,
@@ -33,20 +40,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.formats import information_block, probe_rule, probe_stops
+from services.common.formats import information_block, probe_rule
 from services.common.trajectory import Trajectory, Turn
 from services.eval.stats import mean, score_response
-from services.rollout.probe import cut_suffixes, reasoning_span
+from services.rollout.probe import reasoning_span
 
 VARIANTS: tuple[str, ...] = ("real", "none", "swapped")
-EVIDENCE_MAX_TOKENS = 32  # the truncation probe's default `mc_max_tokens`
+EVIDENCE_MAX_TOKENS = 500  # as a turn may have (`--max-tokens-per-turn`'s default)
+EVIDENCE_STOPS = ("</answer>", "</search>")
 EMPTY_BLOCK = information_block([])
 NO_SEARCH = "no_search"
 
 
 @dataclass(frozen=True)
 class EvidenceSettings:
-    """`--evidence-samples`: forced answers per variant and trajectory (temperature 1)."""
+    """`--evidence-samples`: final turns per variant and trajectory (temperature 1), each at
+    most `max_tokens` (the evaluation's `--max-tokens-per-turn`)."""
 
     samples: int = 3
     max_tokens: int = EVIDENCE_MAX_TOKENS
@@ -111,7 +120,6 @@ class Prepared:
     """The three probe prompts of one trajectory (None: that variant cannot be built)."""
 
     prompts: dict[str, list[int] | None]
-    suffix_text: str
 
 
 def prepare(tokenizer: Any, trajectory: Trajectory, swapped_block: str | None,
@@ -123,20 +131,22 @@ def prepare(tokenizer: Any, trajectory: Trajectory, swapped_block: str | None,
     rule = probe_rule(trajectory.data_source)
     response = [int(t) for t in trajectory.response_ids]
     span = reasoning_span(tokenizer, response, [int(m) for m in trajectory.loss_mask], rule)
-    cut = span.end
-    suffix = cut_suffixes(tokenizer, response, [cut], rule)[0]
+    evidence_ends = [end for _, end in runs if end <= span.end]
+    if not evidence_ends:
+        return None
+    cut = evidence_ends[-1]  # right after the last evidence before the answer
     prompt = [int(t) for t in trajectory.prompt_ids]
 
     def encode(text: str) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=False))[:max_obs_length]
 
     prompts: dict[str, list[int] | None] = {
-        "real": rebuild(prompt, response, cut, runs, None, suffix),
-        "none": rebuild(prompt, response, cut, runs, encode(EMPTY_BLOCK), suffix),
+        "real": rebuild(prompt, response, cut, runs, None, []),
+        "none": rebuild(prompt, response, cut, runs, encode(EMPTY_BLOCK), []),
         "swapped": None if swapped_block is None else rebuild(
-            prompt, response, cut, runs, encode(swapped_block), suffix),
+            prompt, response, cut, runs, encode(swapped_block), []),
     }
-    return Prepared(prompts, rule.suffix)
+    return Prepared(prompts)
 
 
 def swapped_block(found: Any) -> str | None:
@@ -146,14 +156,15 @@ def swapped_block(found: Any) -> str | None:
 
 def force_answers(engine: Any, prepared: Mapping[str, Prepared], ground_truth: Mapping[str, Any],
                   settings: EvidenceSettings) -> dict[str, dict[str, list[float]]]:
-    """Sample `settings.samples` forced answers per variant of each prepared trajectory and
-    score each (suffix + completion) with the evaluation's EM. Keys: question ids."""
+    """Sample `settings.samples` final turns per variant of each prepared trajectory and score
+    each with the evaluation's EM (the last `<answer>` it wrote; none: 0). Keys: question
+    ids."""
     from services.rollout.engine import GenerationRequest, SamplingParams, run_to_completion
 
     requests, where = [], []
     for qid, item in prepared.items():
         params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=settings.max_tokens,
-                                stop=probe_stops(item.suffix_text))
+                                stop=EVIDENCE_STOPS)
         for variant in VARIANTS:
             ids = item.prompts[variant]
             if ids is None:
@@ -166,8 +177,7 @@ def force_answers(engine: Any, prepared: Mapping[str, Prepared], ground_truth: M
         qid: {v: [] for v in VARIANTS if item.prompts[v] is not None}
         for qid, item in prepared.items()}
     for (qid, variant), output in zip(where, run_to_completion(engine, requests), strict=True):
-        text = prepared[qid].suffix_text + engine.tokenizer.decode(output.token_ids,
-                                                                   skip_special_tokens=True)
+        text = engine.tokenizer.decode(output.token_ids, skip_special_tokens=True)
         scores[qid][variant].append(score_response(text, ground_truth[qid])["em"])
     return scores
 

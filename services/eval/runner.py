@@ -196,7 +196,8 @@ def probe_evidence(engine: Any, played: list[tuple[dict[str, Any], Trajectory, Q
         line["evidence"] = {"donor": donor.qid if donor is not None and block is not None
                             else None}
     scores = force_answers(engine, prepared, golds,
-                           EvidenceSettings(samples=settings.evidence_samples))
+                           EvidenceSettings(samples=settings.evidence_samples,
+                                            max_tokens=settings.max_tokens_per_turn))
     for line, _, question in played:
         if question.qid in scores:
             line["evidence"].update(scores[question.qid])

@@ -64,7 +64,7 @@ def test_summarise_averages_samples_then_trajectories() -> None:
 
 def script(engine, answer_from: str) -> None:
     """Turn 0 searches the person's name (except the last person, who answers at once: the
-    trajectory the probe skips); the evidence probe's forced answers follow `answer_from`
+    trajectory the probe skips); the final turns the evidence probe samples follow `answer_from`
     ("sample": the tiny policy samples them itself)."""
     def encode(text: str) -> list[int]:
         return engine.tokenizer.encode(text, add_special_tokens=False)
@@ -90,7 +90,7 @@ def script(engine, answer_from: str) -> None:
             block = text.rsplit("<information>", 1)[1].split("</information>", 1)[0]
             found = BORN.search(block)
             answer = found.group(1) if found else "nothing"
-        return encode(f" {answer} </answer>")
+        return encode(f"<answer> {answer} </answer>")  # the rewritten final turn
 
     engine.forced_tokens = forced
 
@@ -160,3 +160,37 @@ def test_replayed_probe_is_exact_and_needs_the_store(eval_world, tmp_path):
 def test_probe_needs_agent_mode(eval_world, tmp_path):
     with pytest.raises(EvalError, match="--evidence-probe probes agent trajectories"):
         probe_run(eval_world, tmp_path / "x", None, modes=["direct"])
+
+
+def test_the_final_turn_is_rewritten_right_after_the_last_evidence(tiny_policy_dir) -> None:
+    """A policy that restates what it read before answering ("the passage says Ashby") must
+    not carry the answer into the `none` prompt: the cut is the end of the last block."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from services.common.trajectory import Trajectory
+
+    tok = AutoTokenizer.from_pretrained(tiny_policy_dir)
+
+    def ids(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    search = ids("<think> I need Ana. </think>\n<search> Ana </search>")
+    block = ids("\n\n<information>Doc 1(Title: \"Ana\") Ana was born in Ashby.</information>\n\n")
+    after = ids("<think> The passage says Ashby. </think>\n<answer> Ashby </answer>")
+    response = search + block + after
+    mask = [1] * len(search) + [0] * len(block) + [1] * len(after)
+    turns = [Turn(0, len(search), "search", "Ana", docs=[{"id": "1", "title": "Ana"}]),
+             Turn(len(search) + len(block), len(response), "answer")]
+    trajectory = Trajectory("q", "q:0:0", "nq", 0, np.array(ids("Where was Ana born?")),
+                            np.array(response), np.array(mask), np.zeros(len(response)),
+                            turns=turns, num_searches=1, kind="eval")
+    prepared = evidence.prepare(tok, trajectory, "<information>Bo was born in Cray."
+                                "</information>", max_obs_length=120)
+    assert prepared is not None
+    text = {v: tok.decode(p) for v, p in prepared.prompts.items()}
+    assert text["real"].count("Ashby") == 1 and "passage says" not in text["real"]
+    assert "Ashby" not in text["none"] and "Ashby" not in text["swapped"]
+    assert "Cray" in text["swapped"]
+    for prompt in text.values():
+        assert prompt.rstrip().endswith("</information>")
