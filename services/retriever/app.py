@@ -8,6 +8,7 @@ The pydantic models below still describe the contract in /docs.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
@@ -66,6 +67,14 @@ class RetrieveRequest(BaseModel):
     queries: list[str] = Field(description="search queries, answered in order")
     topk: int | None = Field(default=None, description="passages per query; null/0 = default")
     return_scores: bool = Field(default=False, description="wrap each doc with its score")
+    nprobe: int | None = Field(default=None, description="IVF lists searched (IVF indexes)")
+    efSearch: int | None = Field(default=None, description="HNSW breadth (HNSW indexes)")  # noqa: N815
+
+
+# Per-request search knobs: the JSON field, the Searcher's name for it, and its bound. The
+# bound keeps one request from asking for an exhaustive scan a thousand times over.
+SEARCH_FIELDS = (("nprobe", "nprobe"), ("efSearch", "ef_search"))
+MAX_SEARCH_KNOB = 65536
 
 
 def request_model(settings: RetrieverSection) -> type[BaseModel]:
@@ -90,6 +99,14 @@ def request_model(settings: RetrieverSection) -> type[BaseModel]:
                 f"{settings.max_results_per_request} (413 beyond)"
             ))),
         return_scores=(bool, Field(default=False, description="wrap each doc with its score")),
+        nprobe=(int | None, Field(
+            default=None, ge=1, le=MAX_SEARCH_KNOB,
+            description="IVF lists searched for this request (IVF kinds; 422 for others); "
+            "null = retriever.nprobe or the build's")),
+        efSearch=(int | None, Field(
+            default=None, ge=1, le=MAX_SEARCH_KNOB,
+            description="HNSW search breadth for this request (HNSW kinds; 422 for others); "
+            "null = retriever.ef_search or the build's")),
     )
 
 
@@ -116,6 +133,15 @@ class BadRequest(Exception):
 
 def parse_request(body: bytes, settings: RetrieverSection) -> tuple[list[str], int, bool]:
     """Validated (queries, topk, return_scores) or BadRequest naming the field."""
+    queries, topk, return_scores, _ = parse_request_options(body, settings)
+    return queries, topk, return_scores
+
+
+def parse_request_options(body: bytes, settings: RetrieverSection, knobs: frozenset[str] = (
+        frozenset({"nprobe", "ef_search"}))) -> tuple[list[str], int, bool, dict[str, int]]:
+    """Validated (queries, topk, return_scores, {nprobe/ef_search: value}) or BadRequest
+    naming the field. `knobs` are the settings this index has: asking for nprobe on an HNSW
+    index is a 422, not a silently ignored field."""
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as exc:
@@ -179,7 +205,23 @@ def parse_request(body: bytes, settings: RetrieverSection) -> tuple[list[str], i
         return_scores = False
     if not isinstance(return_scores, bool):
         raise BadRequest(422, "return_scores: must be true or false")
-    return queries, topk, return_scores
+    options: dict[str, int] = {}
+    for field, knob in SEARCH_FIELDS:
+        value = data.get(field)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise BadRequest(422, f"{field}: must be an integer or null")
+        if not 1 <= value <= MAX_SEARCH_KNOB:
+            raise BadRequest(422, f"{field}: must be between 1 and {MAX_SEARCH_KNOB} "
+                                  f"(got {value})")
+        if knob not in knobs:
+            what = "inverted lists (IVF)" if knob == "nprobe" else "HNSW graph"
+            raise BadRequest(422, f"{field}: this server's index has no {what}; leave it out")
+        options[knob] = value
+    return queries, topk, return_scores, options
 
 
 class ServerState:
@@ -212,7 +254,9 @@ def create_app(index_dir: str | Path, settings: RetrieverSection, device: str | 
             else:
                 from services.retriever.searcher import Searcher
 
-                searcher = Searcher.load(index_dir, device=device, query_dtype=query_dtype)
+                searcher = Searcher.load(
+                    index_dir, device=device, query_dtype=query_dtype, mmap=settings.mmap,
+                    search_params={"nprobe": settings.nprobe, "ef_search": settings.ef_search})
             state.searcher = searcher
             if state.batcher is not None:
                 state.batcher.warm_up(lambda: searcher.search_many(["warm up"], [1]))
@@ -231,8 +275,13 @@ def create_app(index_dir: str | Path, settings: RetrieverSection, device: str | 
         BATCH_QUERIES.observe(size)
         BATCH_SECONDS.observe(seconds)
 
-    def run_batch(queries: list[str], topks: list[int]):
-        return state.searcher.search_many(queries, topks)
+    def run_batch(queries: list[str], keys: list[Any]):
+        """`keys` are topks, or (topk, (nprobe, ef_search)) for requests with their own."""
+        if all(isinstance(key, int) for key in keys):
+            return state.searcher.search_many(queries, keys)
+        topks = [key if isinstance(key, int) else key[0] for key in keys]
+        options = [(None, None) if isinstance(key, int) else key[1] for key in keys]
+        return state.searcher.search_many(queries, topks, options)
 
     workers, per_worker = split_workers(process_threads(), settings.workers, device)
 
@@ -264,6 +313,24 @@ def create_app(index_dir: str | Path, settings: RetrieverSection, device: str | 
         lifespan=lifespan,
     )
     app.state.forage = state
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        """The schema, less the per-request knobs the loaded index does not have: a client
+        generated from it (or a fuzzer) then never sends `nprobe` to an HNSW index."""
+        schema = default_openapi()
+        if not state.ready.is_set():
+            return schema
+        knobs = getattr(state.searcher, "knobs", frozenset())
+        schema = copy.deepcopy(schema)
+        body = schema["paths"]["/retrieve"]["post"]["requestBody"]["content"][
+            "application/json"]["schema"]
+        for field, knob in SEARCH_FIELDS:
+            if knob not in knobs:
+                body.get("properties", {}).pop(field, None)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.post(
         "/retrieve",
@@ -287,12 +354,16 @@ def create_app(index_dir: str | Path, settings: RetrieverSection, device: str | 
         if not state.ready.is_set():
             return 503, {"detail": state.error or "index is loading"}
         try:
-            queries, topk, return_scores = parse_request(await request.body(), settings)
+            queries, topk, return_scores, options = parse_request_options(
+                await request.body(), settings, getattr(state.searcher, "knobs", frozenset()))
         except BadRequest as exc:
             return exc.status, {"detail": exc.message}
         assert state.batcher is not None
+        key: Any = topk
+        if options:
+            key = (topk, (options.get("nprobe"), options.get("ef_search")))
         try:
-            results = await state.batcher.submit(queries, topk)
+            results = await state.batcher.submit(queries, key)
         except Exception:  # noqa: BLE001 (a server fault, never a bad input)
             log.exception("retrieval failed")
             return 500, {"detail": "internal error during retrieval"}

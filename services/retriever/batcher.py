@@ -115,7 +115,7 @@ def next_limit(limit: int, workers: int, shares: Sequence[float], since_change_s
 @dataclass
 class _Item:
     queries: list[str]
-    topk: int
+    topk: Any  # an int, or any hashable the batch function understands (topk + options)
     future: asyncio.Future = field(repr=False)
 
 
@@ -195,7 +195,7 @@ class MicroBatcher:
                 pass
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def submit(self, queries: list[str], topk: int) -> list[Any]:
+    async def submit(self, queries: list[str], topk: Any) -> list[Any]:
         """Results for `queries` (one entry each), computed in shared batches of at most
         `max_batch` queries; a larger request is split into chunks, at most `workers` of them
         queued or running at a time."""

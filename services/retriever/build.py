@@ -21,6 +21,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -34,12 +35,16 @@ from services.retriever.corpus import CorpusError, iter_corpus, scan_corpus
 from services.retriever.docstore import DOCS_FILE, OFFSETS_FILE, DocStoreWriter
 from services.retriever.indexes import (
     BM25_DIR,
-    DENSE_TYPES,
     FAISS_FILE,
-    INDEX_TYPES,
+    NAMED_TYPES,
     BM25Index,
+    IndexSpecError,
     build_dense,
+    build_factory,
+    check_factory,
     default_params,
+    is_dense,
+    is_factory,
 )
 from services.retriever.manifest import (
     FORMAT_VERSION,
@@ -74,26 +79,49 @@ def build_index(
     batch_size: int = 64,
     device: str = "cpu",
     show_progress: bool = True,
-    params: dict[str, int] | None = None,
+    params: dict[str, int | str] | None = None,
     checkpoint_rows: int | None = None,
 ) -> Path:
     """Build (or reuse) the index of `corpus` in `out_dir` and return `out_dir`.
 
-    `params` overrides index knobs (hnsw_m, ef_construction, ef_search, nlist, nprobe);
-    `checkpoint_rows` is how often an interrupted build can resume (default 16 batches).
+    `index_type` is a named kind (flat, hnsw, ivf, bm25, or a preset: ivf-pq, ivf-sq8,
+    ivf-sqfp16, hnsw-sq8) or a FAISS index-factory string ("IVF4096,PQ64").
+    `params` overrides index knobs (hnsw_m, ef_construction, ef_search, nlist, nprobe;
+    train_size, train_seed for factory kinds); `checkpoint_rows` is how often an interrupted
+    build can resume (default 16 batches).
     """
-    if index_type not in INDEX_TYPES:
-        raise BuildError(f"index type {index_type!r} is not one of {', '.join(INDEX_TYPES)}")
+    if not isinstance(index_type, str) or not index_type.strip():
+        raise BuildError(f"index type {index_type!r}: give one of {', '.join(NAMED_TYPES)} "
+                         "or a FAISS index-factory string")
     if batch_size < 1:
         raise BuildError("batch_size must be at least 1")
     corpus, out_dir = Path(corpus).resolve(), Path(out_dir).resolve()
-    dense = index_type in DENSE_TYPES
+    dense = is_dense(index_type)
     started = time.monotonic()
+    factory_dim = None
+    model = None
+    if is_factory(index_type):
+        # Before the corpus scan (minutes for wiki-18): a factory string FAISS rejects for this
+        # encoder's dimension is refused at once. The dimension needs the encoder loaded; the
+        # streaming pass then uses this copy rather than loading it again.
+        from services.retriever.encoder import Encoder, resolve_encoder
+
+        model = Encoder(resolve_encoder(encoder), device=device, passage_prefix=passage_prefix,
+                        batch_size=batch_size)
+        factory_dim = model.dim
+        try:
+            check_factory(index_type, factory_dim)
+        except IndexSpecError as exc:
+            raise BuildError(str(exc)) from None
 
     stats = scan_corpus(corpus, show_progress=show_progress)
     if stats.rows == 0:
         raise CorpusError(f"corpus {corpus} has no rows")
-    index_params = {**default_params(index_type, stats.rows), **(params or {})}
+    try:
+        index_params = {**default_params(index_type, stats.rows, factory_dim, params),
+                        **(params or {})}
+    except ValueError as exc:
+        raise BuildError(f"--index {index_type!r}: {exc}") from None
     stage_key: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "corpus_sha256": stats.sha256,
@@ -132,16 +160,19 @@ def build_index(
         with _cleanup_on_failure(stage):
             dim = _write_docs_and_embeddings(
                 corpus, stage, stats.rows, encoder_path, passage_prefix, batch_size, device,
-                show_progress, checkpoint_rows or batch_size * 16, dense,
+                show_progress, checkpoint_rows or batch_size * 16, dense, model,
             )
             files: dict[str, int | None] = {}
             if dense:
                 vectors = np.load(stage / EMBEDDINGS_FILE, mmap_mode="r")
-                bar = _bar(show_progress, stats.rows, f"add to {index_type} index")
-                index = build_dense(index_type, vectors, index_params,
-                                    progress=bar.update if bar else None)
-                if bar:
-                    bar.close()
+                if is_factory(index_type):
+                    index = _build_factory(index_type, vectors, index_params, show_progress)
+                else:
+                    bar = _bar(show_progress, stats.rows, f"add to {index_type} index")
+                    index = build_dense(index_type, vectors, index_params,
+                                        progress=bar.update if bar else None)
+                    if bar:
+                        bar.close()
                 import faiss
 
                 faiss.write_index(index, str(stage / FAISS_FILE))
@@ -181,9 +212,32 @@ def build_index(
     return out_dir
 
 
+def _build_factory(index_type: str, vectors: np.ndarray, params: dict[str, Any],
+                   show_progress: bool):
+    """Train and fill a factory-string index; FAISS's own refusal (too few training vectors for
+    the lists or centroids asked for) is a BuildError naming the kind, not a traceback. The
+    embeddings stay in the stage, so a rerun after Ctrl-C here re-trains without re-encoding."""
+    factory = str(params["factory"])
+    rows = vectors.shape[0]
+    log.info("building %s (%s) over %d vectors", index_type, factory, rows)
+    bar = _bar(show_progress, rows, f"add to {factory}")
+    try:
+        return build_factory(factory, vectors, params, progress=bar.update if bar else None,
+                             log=log.info)
+    except RuntimeError as exc:
+        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else "failed"
+        reason = re.sub(r"^Error in .*? at \S+:\d+: ", "", reason)
+        raise BuildError(f"--index {index_type!r} ({factory}) cannot be built over {rows} "
+                         f"vectors: {reason}") from None
+    finally:
+        if bar:
+            bar.close()
+
+
 def _write_docs_and_embeddings(
     corpus: Path, stage: Path, rows: int, encoder_path: str | None, passage_prefix: str,
     batch_size: int, device: str, show_progress: bool, checkpoint_rows: int, dense: bool,
+    loaded: Any = None,
 ) -> int | None:
     """The streaming pass, checkpointed: docs and embeddings of rows [0, done) are durable."""
     progress_path = stage / PROGRESS_FILE
@@ -199,8 +253,8 @@ def _write_docs_and_embeddings(
     if dense:
         from services.retriever.encoder import Encoder
 
-        model = Encoder(encoder_path, device=device, passage_prefix=passage_prefix,
-                        batch_size=batch_size)
+        model = loaded or Encoder(encoder_path, device=device, passage_prefix=passage_prefix,
+                                  batch_size=batch_size)
         dim = model.dim
         emb_path = stage / EMBEDDINGS_FILE
         if done and emb_path.exists():

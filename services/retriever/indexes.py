@@ -8,11 +8,21 @@ GPU: `faiss-cpu` and `faiss-gpu-cu12` both install the `faiss` module, and with 
 the CPU one can win; so the `cpu` and `gpu` extras each bring exactly one (pyproject.toml), and
 an index asked for on `cuda` is never quietly served from CPU: `faiss_gpu_problem` says why a
 device cannot be used, and the server refuses to start (services/retriever/searcher.py).
+
+Compressed kinds: besides the three named kinds built as before, `--index` takes a FAISS
+index-factory string ("IVF4096,PQ64", "OPQ64,IVF4096,PQ64", "HNSW32,SQ8", ...) or a preset
+that names one with sizes chosen from the corpus (`PRESETS`). They are all built the same way
+(`build_factory`): trained on a seeded sample whose size and seed go into the manifest, then
+filled in streamed chunks. Query-time knobs (nprobe, efSearch) are found on the built index
+itself (`search_knobs`), so they work for any factory string, and per-request values are
+passed as FAISS SearchParameters rather than set on the shared index, because the server's
+workers search the same index object concurrently.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -20,25 +30,133 @@ from pathlib import Path
 import numpy as np
 
 DENSE_TYPES = ("flat", "hnsw", "ivf")
-INDEX_TYPES = (*DENSE_TYPES, "bm25")
+# Named compressed kinds; each stands for a factory string sized from the corpus (`factory_for`).
+PRESETS = ("ivf-pq", "ivf-sq8", "ivf-sqfp16", "hnsw-sq8")
+NAMED_TYPES = (*DENSE_TYPES, *PRESETS, "bm25")
+INDEX_TYPES = (*DENSE_TYPES, "bm25")  # the kinds built by their own code path (before presets)
 FAISS_FILE = "index.faiss"
 BM25_DIR = "bm25"
 ADD_CHUNK = 65536
+# Training sample cap: 1 Mi vectors is 3 GiB at 768-d fp32, and k-means gains little beyond.
+MAX_TRAIN = 1 << 20
+TRAIN_SEED = 0
 
 
-def default_params(index_type: str, rows: int) -> dict[str, int]:
+class IndexSpecError(ValueError):
+    """An `--index` value that is neither a named kind nor a FAISS factory string FAISS accepts
+    for this encoder's dimension; the message is one line and names it."""
+
+
+def is_dense(index_type: str) -> bool:
+    """Every kind but BM25 is a FAISS index over the encoder's vectors."""
+    return index_type != "bm25"
+
+
+def is_factory(index_type: str) -> bool:
+    """A preset or a factory string: built by `build_factory` (flat/hnsw/ivf keep their own)."""
+    return is_dense(index_type) and index_type not in DENSE_TYPES
+
+
+def _nlist(rows: int) -> int:
+    """≈ 4·√n lists, but at least 39 training points per list (FAISS's own warning limit)."""
+    return max(1, min(int(4 * math.sqrt(max(rows, 1))), rows // 39))
+
+
+def _pq_m(dim: int) -> int:
+    """PQ sub-quantizers: the largest divisor of `dim` up to 64 (64 bytes a vector at 8 bits,
+    1.3 GB of codes for wiki-18)."""
+    return max(m for m in range(1, min(dim, 64) + 1) if dim % m == 0)
+
+
+def factory_for(index_type: str, rows: int, dim: int, nlist: int | None = None,
+                hnsw_m: int | None = None) -> str:
+    """The FAISS factory string a preset stands for (a factory string stands for itself).
+
+    PQ codes use 8 bits (256 centroids per sub-quantizer) once the corpus has 30·256 vectors
+    to train them, else 4 bits, so that a tiny corpus still builds.
+    """
+    nlist = nlist or _nlist(rows)
+    if index_type == "ivf-pq":
+        bits = 8 if rows >= 30 * 256 else 4
+        return f"IVF{nlist},PQ{_pq_m(dim)}" + ("" if bits == 8 else f"x{bits}")
+    if index_type == "ivf-sq8":
+        return f"IVF{nlist},SQ8"
+    if index_type == "ivf-sqfp16":
+        return f"IVF{nlist},SQfp16"
+    if index_type == "hnsw-sq8":
+        return f"HNSW{hnsw_m or 32},SQ8"
+    return index_type
+
+
+def _factory_shape(factory: str) -> dict[str, int]:
+    """What a factory string says about training: IVF lists, HNSW M, PQ bits (0 if none)."""
+    shape = {"nlist": 0, "hnsw_m": 0, "pq_bits": 0}
+    if match := re.search(r"IVF(\d+)", factory):
+        shape["nlist"] = int(match.group(1))
+    if match := re.search(r"HNSW(\d+)", factory):
+        shape["hnsw_m"] = int(match.group(1))
+    if match := re.search(r"PQ\d+(?:x(\d+))?", factory):
+        shape["pq_bits"] = int(match.group(1) or 8)
+    return shape
+
+
+def check_factory(index_type: str, dim: int) -> str:
+    """`index_type` if FAISS can make an inner-product index of it for `dim`-d vectors, else
+    IndexSpecError (one line: the value, the named kinds, and FAISS's own reason)."""
+    if index_type in NAMED_TYPES:
+        return index_type
+    faiss = import_faiss()
+    try:
+        faiss.index_factory(dim, index_type, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as exc:
+        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else "rejected"
+        reason = re.sub(r"^Error in .*? at \S+:\d+: ", "", reason)
+        raise IndexSpecError(
+            f"--index {index_type!r}: not a named index type ({', '.join(NAMED_TYPES)}) nor a "
+            f"FAISS index-factory string for {dim}-d vectors ({reason})"
+        ) from None
+    return index_type
+
+
+def default_params(index_type: str, rows: int, dim: int | None = None,
+                   overrides: dict[str, int | str] | None = None) -> dict[str, int | str]:
     """Build/search knobs recorded in the manifest (the server may override search ones).
 
     IVF: nlist ≈ 4·√n but at least 39 training points per list (FAISS's own warning limit);
     nprobe 32 lists. HNSW: M=32, efConstruction=200, efSearch=128 (recall ≈ 0.99 for
-    MiniLM-size vectors at the corpus sizes a CPU box serves).
+    MiniLM-size vectors at the corpus sizes a CPU box serves). Factory kinds (`dim` needed)
+    also record their factory string and training sample: max(39·nlist, 30·2^bits for PQ,
+    10,000), at most MAX_TRAIN and the corpus, drawn with seed TRAIN_SEED. A preset takes
+    `overrides`' nlist / hnsw_m into its factory string; a factory string already says them,
+    so a different value is a ValueError rather than a knob that silently does nothing.
     """
+    overrides = overrides or {}
     if index_type == "hnsw":
         return {"hnsw_m": 32, "ef_construction": 200, "ef_search": 128}
     if index_type == "ivf":
-        nlist = max(1, min(int(4 * math.sqrt(max(rows, 1))), rows // 39))
+        nlist = _nlist(rows)
         return {"nlist": nlist, "nprobe": min(nlist, 32)}
-    return {}
+    if not is_factory(index_type):
+        return {}
+    if dim is None:
+        raise ValueError(f"{index_type}: the vector dimension is needed for its parameters")
+    nlist, hnsw_m = overrides.get("nlist"), overrides.get("hnsw_m")
+    factory = factory_for(index_type, rows, dim, int(nlist) if nlist else None,
+                          int(hnsw_m) if hnsw_m else None)
+    shape = _factory_shape(factory)
+    for key in ("nlist", "hnsw_m"):
+        if overrides.get(key) is not None and int(overrides[key]) != shape[key]:
+            raise ValueError(f"--{key.replace('_', '-')} {overrides[key]} does not match the "
+                             f"factory string {factory!r}: write the size in the string")
+    params: dict[str, int | str] = {"factory": factory}
+    if shape["nlist"]:
+        params.update(nlist=shape["nlist"], nprobe=min(shape["nlist"], 32))
+    if shape["hnsw_m"]:
+        params.update(ef_construction=200, ef_search=128)
+    need = max(39 * shape["nlist"], 30 * (1 << shape["pq_bits"]) if shape["pq_bits"] else 0,
+               10_000)
+    params.update(train_size=min(rows, need, MAX_TRAIN), train_seed=TRAIN_SEED)
+    return params
 
 
 class DeviceError(ValueError):
@@ -71,9 +189,9 @@ def faiss_gpu_problem(gpu: int | None = None) -> str | None:
 
 def dense_gpu_problem(index_type: str, gpu: int | None = None) -> str | None:
     """Why an index of `index_type` cannot be served from GPU(s), or None."""
-    if index_type == "hnsw":
-        return ("faiss has no GPU implementation of HNSW: serve an hnsw index on cpu, or "
-                "build a flat or ivf index for a GPU")
+    if index_type == "hnsw" or "hnsw" in index_type.lower():
+        return (f"faiss has no GPU implementation of HNSW: serve the {index_type} index on cpu, "
+                "or build a flat or IVF index for a GPU")
     return faiss_gpu_problem(gpu)
 
 
@@ -107,11 +225,140 @@ def build_dense(index_type: str, vectors: np.ndarray, params: dict[str, int],
     return index
 
 
-def apply_search_params(index, index_type: str, params: dict[str, int]) -> None:
-    if index_type == "hnsw" and "ef_search" in params:
-        index.hnsw.efSearch = int(params["ef_search"])
-    elif index_type == "ivf" and "nprobe" in params:
-        index.nprobe = int(params["nprobe"])
+def build_factory(factory: str, vectors: np.ndarray, params: dict[str, int | str],
+                  progress: Callable[[int], None] | None = None,
+                  log: Callable[[str], None] | None = None):
+    """A FAISS inner-product index of a factory string over `vectors` (rows × dim, float32,
+    may be a memmap): trained on `params["train_size"]` rows drawn with `train_seed` (read
+    from the memmap sorted, so the sample costs one pass), then filled ADD_CHUNK rows at a
+    time so only one chunk is ever copied into Python memory."""
+    faiss = import_faiss()
+    rows, dim = vectors.shape
+    index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+    inner = _innermost(faiss, index)
+    if hasattr(inner, "hnsw") and "ef_construction" in params:
+        inner.hnsw.efConstruction = int(params["ef_construction"])
+    # The factory turns on polysemous training for PQ kinds: a simulated annealing of each
+    # codebook's order (≈0.4 s per sub-quantizer whatever the corpus size) that only helps
+    # polysemous (Hamming-filtered) search, which Forage never uses.
+    for node in (inner, _ivf_or_none(faiss, inner)):
+        if node is not None and hasattr(node, "do_polysemous_training"):
+            node.do_polysemous_training = False
+    if not index.is_trained:
+        size = min(rows, int(params.get("train_size", rows)))
+        rng = np.random.default_rng(int(params.get("train_seed", TRAIN_SEED)))
+        sample_rows = np.sort(rng.choice(rows, size=size, replace=False))
+        if log is not None:
+            log(f"training {factory} on {size} sampled vectors (seed "
+                f"{params.get('train_seed', TRAIN_SEED)})")
+        index.train(np.ascontiguousarray(vectors[sample_rows], dtype=np.float32))
+    apply_search_params(index, {k: v for k, v in params.items()
+                                if k in ("nprobe", "ef_search")})
+    for start in range(0, rows, ADD_CHUNK):
+        chunk = np.ascontiguousarray(vectors[start : start + ADD_CHUNK], dtype=np.float32)
+        index.add(chunk)
+        if progress is not None:
+            progress(len(chunk))
+    return index
+
+
+def _ivf_or_none(faiss, index):
+    try:
+        return faiss.downcast_index(faiss.extract_index_ivf(index))
+    except RuntimeError:
+        return None
+
+
+def _innermost(faiss, index):
+    """The index under any pre-transform (OPQ, PCA), downcast to its concrete class."""
+    index = faiss.downcast_index(index)
+    while isinstance(index, faiss.IndexPreTransform):
+        index = faiss.downcast_index(index.index)
+    return index
+
+
+def search_knobs(index) -> frozenset[str]:
+    """Which of "nprobe" (inverted lists) and "ef_search" (HNSW graph) this index has; read
+    from the index, not the kind's name, so any factory string gets its knobs."""
+    faiss = import_faiss()
+    knobs = set()
+    try:
+        faiss.extract_index_ivf(index)
+        knobs.add("nprobe")
+    except RuntimeError:
+        pass
+    if hasattr(_innermost(faiss, index), "hnsw"):
+        knobs.add("ef_search")
+    return frozenset(knobs)
+
+
+def apply_search_params(index, params: dict[str, int | str]) -> None:
+    """Set the index's own default nprobe / efSearch (FAISS ParameterSpace, which reaches
+    through pre-transforms); a knob the index lacks is skipped: callers check `search_knobs`."""
+    faiss = import_faiss()
+    knobs = search_knobs(index)
+    space = faiss.ParameterSpace()
+    if "nprobe" in knobs and params.get("nprobe") is not None:
+        space.set_index_parameter(index, "nprobe", int(params["nprobe"]))
+    if "ef_search" in knobs and params.get("ef_search") is not None:
+        space.set_index_parameter(index, "efSearch", int(params["ef_search"]))
+
+
+def search_parameters(index, nprobe: int | None = None, ef_search: int | None = None):
+    """FAISS SearchParameters for one search (None: the index's defaults), nested through
+    pre-transforms. Returned with the Python objects it points at, which must outlive the
+    search (SWIG does not keep nested parameter objects alive)."""
+    if nprobe is None and ef_search is None:
+        return None, []
+    faiss = import_faiss()
+    keep: list = []
+    wrappers: list = []
+    node = faiss.downcast_index(index)
+    while isinstance(node, faiss.IndexPreTransform):
+        wrappers.append(faiss.SearchParametersPreTransform())
+        node = faiss.downcast_index(node.index)
+    if hasattr(node, "hnsw"):
+        leaf = faiss.SearchParametersHNSW()
+        leaf.efSearch = int(ef_search if ef_search is not None else node.hnsw.efSearch)
+    else:
+        leaf = faiss.SearchParametersIVF()
+        leaf.nprobe = int(nprobe if nprobe is not None else faiss.extract_index_ivf(node).nprobe)
+        quantizer = faiss.downcast_index(faiss.extract_index_ivf(node).quantizer)
+        if ef_search is not None and hasattr(quantizer, "hnsw"):
+            inner = faiss.SearchParametersHNSW()
+            inner.efSearch = int(ef_search)
+            leaf.quantizer_params = inner
+            keep.append(inner)
+    keep.append(leaf)
+    current = leaf
+    for wrapper in reversed(wrappers):
+        wrapper.index_params = current
+        keep.append(wrapper)
+        current = wrapper
+    return current, keep
+
+
+def mmap_flag(index_type: str, factory: str | None) -> int:
+    """The FAISS read flag that maps this kind's bulk from the file instead of copying it.
+
+    IVF kinds (ivf, ivf-*, any factory string with IVF): IO_FLAG_MMAP maps the inverted lists,
+    i.e. every code. flat, hnsw and HNSW factory kinds (hnsw-sq8): IO_FLAG_MMAP_IFC maps the
+    file as well: the vectors and, in FAISS 1.15, an HNSW graph's links too (measured: a
+    mapped HNSW process adds about 1 MB of private memory; bench/index_scale.py). Raises
+    ValueError for a kind with neither (e.g. a bare "PQ64" or "LSH" factory string).
+    """
+    faiss = import_faiss()
+    spec = factory or index_type
+    if index_type == "ivf" or "IVF" in spec:
+        return faiss.IO_FLAG_MMAP
+    if index_type in ("flat", "hnsw") or re.fullmatch(r"(HNSW\d+(,(Flat|SQ\w+))?|Flat)", spec):
+        if not hasattr(faiss, "IO_FLAG_MMAP_IFC"):
+            raise ValueError(f"retriever.mmap: faiss {faiss.__version__} cannot map a {spec} "
+                             "index (IO_FLAG_MMAP_IFC is newer); map an IVF kind, or set "
+                             "retriever.mmap to false")
+        return faiss.IO_FLAG_MMAP_IFC
+    raise ValueError(f"retriever.mmap: index kind {spec!r} cannot be memory-mapped (IVF kinds, "
+                     "flat, hnsw and HNSW,Flat/SQ kinds can); set retriever.mmap to false")
 
 
 def parse_device(device: str) -> tuple[str, int | None]:
@@ -124,17 +371,24 @@ def parse_device(device: str) -> tuple[str, int | None]:
     raise DeviceError(f"unknown device {device!r} (use cpu, cuda or cuda:N)")
 
 
-def load_dense(path: Path, index_type: str, params: dict[str, int], device: str = "cpu"):
+def load_dense(path: Path, index_type: str, params: dict[str, int | str], device: str = "cpu",
+               mmap: bool = False):
     """Read the FAISS file; on `cuda`, shard it over every visible GPU (`cuda:N`: GPU N), in
-    float16. A faiss without GPU support is a DeviceError, never a CPU fallback."""
+    float16. A faiss without GPU support is a DeviceError, never a CPU fallback. `mmap` maps
+    the file instead of reading it (CPU only; `mmap_flag` says which kinds): the replica
+    starts without reading the codes, and processes on one host share the pages."""
     kind, gpu = parse_device(device)
     faiss = import_faiss()
     if kind == "cuda":
         problem = dense_gpu_problem(index_type, gpu)
         if problem:
             raise DeviceError(f"device {device}: {problem}")
-    index = faiss.read_index(str(path))
-    apply_search_params(index, index_type, params)
+        if mmap:
+            raise DeviceError("retriever.mmap is for cpu: a GPU copies the index into its own "
+                              "memory; set retriever.mmap to false")
+    flag = mmap_flag(index_type, params.get("factory")) if mmap else 0  # type: ignore[arg-type]
+    index = faiss.read_index(str(path), flag)
+    apply_search_params(index, params)
     if kind == "cuda":
         options = faiss.GpuMultipleClonerOptions()
         options.useFloat16 = True

@@ -1,8 +1,8 @@
 """In-process search over a built index: the server's engine, and the data builder's API.
 
 `search_many` is the server's micro-batch entry point: one encoder call for every query in the
-batch, then one index search per distinct topk (so each request gets exactly what it would get
-alone, even for approximate indexes whose results depend on k).
+batch, then one index search per distinct (topk, nprobe, efSearch) (so each request gets exactly
+what it would get alone, even for approximate indexes whose results depend on k).
 """
 
 from __future__ import annotations
@@ -15,15 +15,20 @@ import numpy as np
 from services.retriever.docstore import DocStore, DocStoreError
 from services.retriever.indexes import (
     BM25_DIR,
-    DENSE_TYPES,
     FAISS_FILE,
     BM25Index,
     apply_search_params,
+    is_dense,
     load_dense,
+    search_knobs,
+    search_parameters,
 )
 from services.retriever.manifest import IndexLoadError, check_index_dir
 
 Result = list[tuple[dict[str, Any], float]]
+# Per-query search settings: (nprobe, ef_search), None meaning the index's default.
+SearchOptions = tuple[int | None, int | None]
+NO_OPTIONS: SearchOptions = (None, None)
 
 
 def check_device(device: str, index_type: str | None = None, *, index_on_device: bool = True,
@@ -59,31 +64,52 @@ class Searcher:
         self.docstore = docstore
         self.index = index
         self.encoder = encoder
+        # Which per-search knobs this index has; none on GPU, where FAISS's sharded clones
+        # take no SearchParameters (set retriever.nprobe instead).
+        self.knobs: frozenset[str] = frozenset()
+        if is_dense(self.index_type) and hasattr(index, "is_trained"):
+            try:
+                self.knobs = search_knobs(index)
+            except Exception:  # noqa: BLE001 (a GPU index: no per-request knobs)
+                self.knobs = frozenset()
 
     @classmethod
     def load(cls, index_dir: str | Path, device: str = "cpu", encoder: str | None = None,
              search_params: dict[str, int] | None = None, batch_size: int = 64,
-             query_dtype: str = "float32") -> Searcher:
+             query_dtype: str = "float32", mmap: bool = False) -> Searcher:
         """Load a built index; raises IndexLoadError naming what is missing or corrupt.
 
         `encoder` overrides the model path recorded at build time (an index copied to another
-        machine); `search_params` overrides ef_search / nprobe; `query_dtype` is the precision
-        queries are encoded in (the server resolves retriever.query_dtype's `auto`).
+        machine); `search_params` overrides ef_search / nprobe (an index without that knob is
+        an IndexLoadError, so a setting never silently does nothing); `query_dtype` is the
+        precision queries are encoded in (the server resolves retriever.query_dtype's `auto`);
+        `mmap` maps the FAISS file instead of reading it (indexes.mmap_flag says which kinds).
         """
         index_dir = Path(index_dir)
         manifest = check_index_dir(index_dir)
-        params = {**manifest.get("params", {}), **(search_params or {})}
+        overrides = {k: v for k, v in (search_params or {}).items() if v is not None}
+        params = {**manifest.get("params", {}), **overrides}
         try:
             docstore = DocStore(index_dir)
         except DocStoreError as exc:
             raise IndexLoadError(str(exc)) from None
         index_type = manifest["index_type"]
         model = None
-        if index_type in DENSE_TYPES:
+        if is_dense(index_type):
             try:
-                index = load_dense(index_dir / FAISS_FILE, index_type, params, device)
+                index = load_dense(index_dir / FAISS_FILE, index_type, params, device, mmap)
             except RuntimeError as exc:
                 raise IndexLoadError(f"{index_dir / FAISS_FILE} is corrupt: {exc}") from None
+            except ValueError as exc:  # a kind that cannot be mapped
+                raise IndexLoadError(str(exc)) from None
+            if device == "cpu" or device.startswith("cpu"):
+                have = search_knobs(index)
+                for knob in overrides:
+                    if knob in ("nprobe", "ef_search") and knob not in have:
+                        raise IndexLoadError(
+                            f"retriever.{knob} is set but the {index_type} index has no "
+                            f"{'inverted lists' if knob == 'nprobe' else 'HNSW graph'}; "
+                            "unset it")
             from services.retriever.encoder import Encoder, default_encoder_path, encoder_name
 
             model_path = encoder or manifest["encoder"]
@@ -106,6 +132,9 @@ class Searcher:
                 )
             size = index.ntotal
         else:
+            if overrides:
+                raise IndexLoadError(f"retriever.{next(iter(overrides))} is set but a bm25 "
+                                     "index has no such setting; unset it")
             try:
                 index = BM25Index.load(index_dir / BM25_DIR)
             except (OSError, ValueError, KeyError) as exc:
@@ -121,28 +150,34 @@ class Searcher:
         return len(self.docstore)
 
     def set_search_params(self, params: dict[str, int]) -> None:
-        if self.index_type in DENSE_TYPES:
-            apply_search_params(self.index, self.index_type, params)
+        if is_dense(self.index_type):
+            apply_search_params(self.index, params)
 
     def search(self, queries: list[str], topk: int) -> list[Result]:
         """Per query: [(doc, score), ...] best first; doc = {"id", "contents", ...}."""
         return self.search_many(queries, [topk] * len(queries))
 
-    def search_many(self, queries: list[str], topks: list[int]) -> list[Result]:
+    def search_many(self, queries: list[str], topks: list[int],
+                    options: list[SearchOptions] | None = None) -> list[Result]:
+        """`options[i]` = (nprobe, ef_search) for query i (None: the index's defaults); the
+        caller has checked them against `knobs`."""
         if len(queries) != len(topks):
             raise ValueError("one topk per query")
+        if options is not None and len(options) != len(queries):
+            raise ValueError("one options entry per query")
         if not queries:
             return []
         encoded = self.encode(queries)
         results: list[Result] = [[] for _ in queries]
-        for k, positions in _group_by_k(topks).items():
+        keys = list(zip(topks, options or [NO_OPTIONS] * len(queries), strict=True))
+        for (k, option), positions in _group_by_k(keys).items():
             if k <= 0:
                 continue
             if isinstance(encoded, np.ndarray):
                 subset: Any = encoded[positions]
             else:
                 subset = [encoded[p] for p in positions]
-            scores, rows = self.search_encoded(subset, k)
+            scores, rows = self.search_encoded(subset, k, option)
             for position, score_row, id_row in zip(positions, scores, rows, strict=True):
                 results[position] = [
                     (self.docstore.get(int(row)), float(score))
@@ -153,17 +188,27 @@ class Searcher:
 
     def encode(self, queries: list[str]) -> Any:
         """Query vectors (dense) or the queries themselves (BM25 tokenises at search time)."""
-        if self.index_type in DENSE_TYPES:
+        if is_dense(self.index_type):
             return self.encoder.encode_queries(queries)
         return list(queries)
 
-    def search_encoded(self, encoded: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(scores, rows), each n × k' with k' ≤ k; rows are -1 where fewer than k exist."""
-        return self.index.search(encoded, min(k, len(self)))
+    def search_encoded(self, encoded: Any, k: int, options: SearchOptions | None = None
+                       ) -> tuple[np.ndarray, np.ndarray]:
+        """(scores, rows), each n × k' with k' ≤ k; rows are -1 where fewer than k exist.
+
+        Per-search nprobe / efSearch go in as FAISS SearchParameters, never set on the index:
+        the server's workers search this index object at the same time."""
+        k = min(k, len(self))
+        if options is None or options == NO_OPTIONS:
+            return self.index.search(encoded, k)
+        params, keep = search_parameters(self.index, *options)
+        scores, rows = self.index.search(encoded, k, params=params)
+        del keep
+        return scores, rows
 
 
-def _group_by_k(topks: list[int]) -> dict[int, list[int]]:
-    groups: dict[int, list[int]] = {}
+def _group_by_k(topks: list[Any]) -> dict[Any, list[int]]:
+    groups: dict[Any, list[int]] = {}
     for position, k in enumerate(topks):
         groups.setdefault(k, []).append(position)
     return groups

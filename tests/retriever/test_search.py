@@ -89,12 +89,18 @@ def test_topk_larger_than_corpus(flat_searcher):
 @pytest.mark.parametrize("index_type, params", [
     ("hnsw", None),
     ("ivf", {"nlist": 16, "nprobe": 8}),  # not exhaustive: half the lists are searched
+    # compressed kinds (test_compressed.py has the rest): 8-bit codes lose little
+    ("ivf-sq8", {"nlist": 4, "nprobe": 4}),
+    ("hnsw-sq8", None),
+    ("IVF4,SQfp16", None),
 ])
 def test_approximate_recall(index_type, params, corpus, brute_force, tmp_path):
     out = build_index(corpus[0], tmp_path / index_type, index_type, show_progress=False,
                       params=params)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["index_type"] == index_type and manifest["count"] == 200
+    if index_type not in ("hnsw", "ivf"):
+        assert manifest["params"]["train_size"] == 200 and manifest["params"]["train_seed"] == 0
     searcher = Searcher.load(out)
     _, order = brute_force
     got = _ids(searcher.search(QUERIES, 3))

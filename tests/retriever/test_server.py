@@ -115,6 +115,13 @@ BAD_INPUTS = [
     ({"queries": ["ok"], "topk": 2.5}, 422, "topk"),
     ({"queries": ["ok"], "topk": True}, 422, "topk"),
     ({"queries": ["ok"], "return_scores": "yes"}, 422, "return_scores"),
+    # per-request search knobs: bad values, and knobs the (flat) index does not have
+    ({"queries": ["ok"], "nprobe": 0}, 422, "nprobe"),
+    ({"queries": ["ok"], "nprobe": "8"}, 422, "nprobe"),
+    ({"queries": ["ok"], "nprobe": 8}, 422, "nprobe"),
+    ({"queries": ["ok"], "efSearch": 10**6}, 422, "efSearch"),
+    ({"queries": ["ok"], "efSearch": True}, 422, "efSearch"),
+    ({"queries": ["ok"], "efSearch": 64}, 422, "efSearch"),
     ([["a list", "not an object"]], 422, "body"),
     (b"this is not json", 400, "body"),
     (b'{"queries": ["unterminated', 400, "body"),
@@ -156,4 +163,5 @@ def test_server_survives_bad_input_and_exposes_endpoints(server):
     body_schema = spec["paths"]["/retrieve"]["post"]["requestBody"]["content"][
         "application/json"]["schema"]
     assert {"queries", "topk", "return_scores"} <= set(body_schema["properties"])
+    assert not {"nprobe", "efSearch"} & set(body_schema["properties"])  # a flat index has neither
     assert httpx.get(f"{server}/retrieve", timeout=10).status_code == 405

@@ -20,6 +20,17 @@ class RetrieverSection(Section):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     device: str = "cpu"
+    # Query-time accuracy/speed of approximate indexes; null = what the build recorded in the
+    # manifest (nprobe 32, efSearch 128). nprobe: IVF lists searched (IVF kinds); ef_search:
+    # HNSW search breadth (HNSW kinds). Setting one the index lacks stops the server at start.
+    # A request may also send its own `nprobe` / `efSearch` (docs/retriever.md).
+    nprobe: int | None = Field(default=None, ge=1)
+    ef_search: int | None = Field(default=None, ge=1)
+    # Map the FAISS file instead of reading it (CPU only): a replica starts without reading the
+    # codes and replicas on one host share the page cache. IVF kinds map their inverted lists;
+    # flat and HNSW kinds their vectors and graph (FAISS 1.15). Queries then read pages
+    # from disk until they are cached: keep the index on local SSD.
+    mmap: bool = False
     # Precision of the query encoder (passages are always encoded in float32). auto: float16
     # on CUDA (Search-R1's `retrieval_use_fp16`), bfloat16 on a CPU with native bf16 arithmetic
     # (AVX-512 BF16 or AMX), else float32 (services/retriever/encoder.py, docs/retriever.md).
