@@ -26,6 +26,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -217,12 +218,7 @@ def build_dense(index_type: str, vectors: np.ndarray, params: dict[str, int],
         index.nprobe = params["nprobe"]
     else:
         raise ValueError(f"unknown dense index type {index_type!r}")
-    for start in range(0, rows, ADD_CHUNK):
-        chunk = np.ascontiguousarray(vectors[start : start + ADD_CHUNK], dtype=np.float32)
-        index.add(chunk)
-        if progress is not None:
-            progress(len(chunk))
-    return index
+    return _add_in_chunks(index, vectors, rows, progress)
 
 
 def build_factory(factory: str, vectors: np.ndarray, params: dict[str, int | str],
@@ -254,12 +250,7 @@ def build_factory(factory: str, vectors: np.ndarray, params: dict[str, int | str
         index.train(np.ascontiguousarray(vectors[sample_rows], dtype=np.float32))
     apply_search_params(index, {k: v for k, v in params.items()
                                 if k in ("nprobe", "ef_search")})
-    for start in range(0, rows, ADD_CHUNK):
-        chunk = np.ascontiguousarray(vectors[start : start + ADD_CHUNK], dtype=np.float32)
-        index.add(chunk)
-        if progress is not None:
-            progress(len(chunk))
-    return index
+    return _add_in_chunks(index, vectors, rows, progress)
 
 
 def _ivf_or_none(faiss, index):
@@ -456,3 +447,15 @@ class BM25Index:
         # arbitrary zero-score rows, which would be noise in the agent's observation.
         rows[scores <= 0] = -1
         return scores, rows
+
+
+def _add_in_chunks(index: Any, vectors: Any, rows: int,
+                   progress: Callable[[int], None] | None) -> Any:
+    """Add the vectors ADD_CHUNK rows at a time (a float32 copy of one chunk at most), telling
+    `progress` after each."""
+    for start in range(0, rows, ADD_CHUNK):
+        chunk = np.ascontiguousarray(vectors[start : start + ADD_CHUNK], dtype=np.float32)
+        index.add(chunk)
+        if progress is not None:
+            progress(len(chunk))
+    return index

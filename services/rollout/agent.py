@@ -407,13 +407,7 @@ class AgentLoop:
             return state
         if self.tool_mode:
             return self._handle_tool_turn(output, state, searches, deferred, lockstep)
-        start = len(state.response)
-        state.response.extend(output.token_ids)
-        state.mask.extend([1] * len(output.token_ids))
-        state.logprobs.extend(output.logprobs)
-        end = len(state.response)
-        metrics.TOKENS.inc(len(output.token_ids))
-        text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
+        start, end, text = self._append_generated(state, output)
         parsed = parse_action(text)
         action, query = (parsed[0], parsed[1]) if parsed else ("invalid", None)
         version = output.version_start
@@ -462,6 +456,17 @@ class AgentLoop:
 
     # ------------------------------------------------------------------ tool calls
 
+    def _append_generated(self, state: _State, output: GenerationOutput) -> tuple[int, int, str]:
+        """Append a turn's generated tokens (trained on: mask 1) and return its [start, end)
+        in the response and its decoded text."""
+        start = len(state.response)
+        state.response.extend(output.token_ids)
+        state.mask.extend([1] * len(output.token_ids))
+        state.logprobs.extend(output.logprobs)
+        metrics.TOKENS.inc(len(output.token_ids))
+        text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
+        return start, len(state.response), text
+
     def _handle_tool_turn(
         self,
         output: GenerationOutput,
@@ -473,13 +478,7 @@ class AgentLoop:
         """A turn of the tool_calls protocol: an answer ends the trajectory, tool calls run
         (calculator here, search batched like <search> tags), anything else gets a corrective
         user turn. Every bad call is answered as the tool's result (never a trajectory error)."""
-        start = len(state.response)
-        state.response.extend(output.token_ids)
-        state.mask.extend([1] * len(output.token_ids))
-        state.logprobs.extend(output.logprobs)
-        end = len(state.response)
-        metrics.TOKENS.inc(len(output.token_ids))
-        text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
+        start, end, text = self._append_generated(state, output)
         parsed = parse_turn(text, self.tool_specs)
         action, query = parsed.action, parsed.answer
         first = parsed.calls[0] if parsed.calls else None
