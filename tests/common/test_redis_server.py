@@ -7,9 +7,9 @@ import os
 import pytest
 import redis
 
+from services.common.ports import free_port as _free_port
 from services.common.redis_server import (
     RedisUnavailable,
-    _free_port,
     ensure_redis,
     redis_answers,
     redis_server_binary,
