@@ -68,14 +68,20 @@ def register(parser: argparse.ArgumentParser) -> None:
     add("--limit", type=_positive, default=None, help="at most N questions per data source")
     add("--topk", type=_positive, default=3, help="passages per search (default 3)")
     add("--max-turns", type=_positive, default=4, help="agent search rounds (default 4)")
-    add("--max-tokens-per-turn", type=_positive, default=500)
-    add("--max-obs-length", type=_positive, default=500)
-    add("--max-response-length", type=_positive, default=2048)
-    add("--max-prompt-length", type=_positive, default=4096)
+    add("--max-tokens-per-turn", type=_positive, default=500,
+        help="tokens one turn may generate (default 500, Search-R1's)")
+    add("--max-obs-length", type=_positive, default=500,
+        help="tokens of one <information> block; longer ones are cut (default 500)")
+    add("--max-response-length", type=_positive, default=2048,
+        help="tokens of the whole response, observations included (default 2048)")
+    add("--max-prompt-length", type=_positive, default=4096,
+        help="prompt tokens kept; a longer prompt keeps its last ones, as in training "
+             "(default 4096)")
     add("--batch-size", type=_positive, default=32, help="questions played together")
     add("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    add("--top-p", type=float, default=1.0)
-    add("--top-k", type=int, default=0)
+    add("--top-p", type=float, default=1.0, help="nucleus sampling when --temperature > 0")
+    add("--top-k", type=int, default=0,
+        help="top-k sampling when --temperature > 0 (0: off)")
     add("--seed", type=int, default=0, help="sampling seed")
     add("--evidence-probe", action="store_true",
         help="agent rows: force each searching trajectory's answer after its information "
