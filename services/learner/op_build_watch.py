@@ -8,6 +8,14 @@ killed leaves its lock behind, so the next learner waits forever, silently (meas
 up` learner sat there with an empty log). While the engine is being set up, `watch_build_locks`
 reports every lock it finds, with its age and what to do, once after `after_s` and then every
 `every_s`.
+
+A lock no build is behind is removed: torch takes the lock in every process that loads an op,
+even when nothing needs compiling, so a learner killed at that moment (a fault drill, a timeout,
+a machine shut down) leaves one behind whose op is fully built. A lock counts as left behind
+when it is older than `STALE_AFTER_S` (no real step between taking the lock and starting the
+compiler takes that long) and no process on the machine works in its folder (ninja and the
+compiler run there for the whole build). When some process's folder cannot be read (not root),
+the lock is kept and only reported.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ log = logging.getLogger("forage.learner")
 
 FIRST_WARNING_S = 20.0
 REPEAT_S = 60.0
+STALE_AFTER_S = 60.0
+PROC = Path("/proc")
 
 
 def extensions_root() -> Path:
@@ -58,6 +68,54 @@ def held_locks(root: Path) -> list[tuple[Path, float]]:
     return found
 
 
+def builders_in(folder: Path, proc: Path = PROC) -> bool | None:
+    """Whether a process works in `folder` (its current directory is there or below): True, False,
+    or None when some process's directory could not be read (then nobody can say). Root reads
+    every ordinary process's directory; one it cannot is shielded by a sandbox or a security
+    module (a container runtime's init, say), not a compiler, and is passed over."""
+    try:
+        target = folder.resolve()
+    except OSError:
+        return None
+    unknown = False
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cwd = Path(os.readlink(entry / "cwd"))
+        except FileNotFoundError:  # exited while we looked
+            continue
+        except OSError:
+            unknown = unknown or os.geteuid() != 0
+            continue
+        if cwd == target or target in cwd.parents:
+            return True
+    return None if unknown else False
+
+
+def clear_stale_locks(root: Path, stale_after_s: float | None = None) -> list[Path]:
+    """Remove the build locks under `root` that no build is behind (see the module's docstring);
+    returns the removed ones."""
+    stale_after_s = STALE_AFTER_S if stale_after_s is None else stale_after_s
+    removed = []
+    for lock, age in held_locks(root):
+        if age < stale_after_s or builders_in(lock.parent) is not False:
+            continue
+        try:
+            lock.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as error:
+            log.warning("could not remove the build lock %s left by a killed build: %s", lock,
+                        error)
+            continue
+        log.warning("removed the build lock of the C++ op %r (%s, made %.0f s ago): no build is "
+                    "running in its folder, so a process killed while it held the lock left it "
+                    "behind", lock.parent.name, lock, age)
+        removed.append(lock)
+    return removed
+
+
 def lock_message(lock: Path, age_s: float) -> str:
     return (f"waiting for the build lock of the C++ op {lock.parent.name!r} ({lock}, made "
             f"{age_s:.0f} s ago): another process is compiling it (the first build takes 1-2 "
@@ -68,17 +126,20 @@ def lock_message(lock: Path, age_s: float) -> str:
 @contextmanager
 def watch_build_locks(after_s: float | None = None,
                       every_s: float | None = None) -> Iterator[None]:
-    """Warn about held op build locks while the body runs (a daemon thread; nothing is said if
-    the body is done within `after_s`, default FIRST_WARNING_S; then every `every_s`, default
+    """Remove build locks left behind by killed builds, then, while the body runs, remove any
+    that become so and warn about the ones still held (a daemon thread; nothing is said if the
+    body is done within `after_s`, default FIRST_WARNING_S; then every `every_s`, default
     REPEAT_S)."""
     after_s = FIRST_WARNING_S if after_s is None else after_s
     every_s = REPEAT_S if every_s is None else every_s
     done = threading.Event()
     root = extensions_root()
+    clear_stale_locks(root)
 
     def watch() -> None:
         wait = after_s
         while not done.wait(wait):
+            clear_stale_locks(root)
             for lock, age in held_locks(root):
                 log.warning(lock_message(lock, age))
             wait = every_s

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import services.learner.op_build_watch as W
 from services.learner.op_build_watch import held_locks, lock_message
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,3 +64,42 @@ def test_a_learner_behind_a_stale_build_lock_says_so(tiny_policy, tmp_path) -> N
     assert "engine ready" not in said  # it really was held up by the lock
     assert "waiting for the build lock of the C++ op 'deepspeed_shm_comm'" in said, said[-3000:]
     assert str(lock) in said
+
+
+def _lock(root: Path, op: str, age_s: float) -> Path:
+    lock = root / op / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    os.utime(lock, (time.time() - age_s, time.time() - age_s))
+    return lock
+
+
+def test_only_locks_no_build_is_behind_are_removed(tmp_path) -> None:
+    left = _lock(tmp_path, "deepspeed_shm_comm", 300)  # as a killed learner leaves it
+    young = _lock(tmp_path, "cpu_adam", 5)  # a build that has just taken its lock
+    building = _lock(tmp_path, "cpu_adagrad", 300)  # a long build: its compiler runs there
+    (building.parent / "obj").mkdir()
+    compiler = subprocess.Popen(["sleep", "60"], cwd=building.parent / "obj")
+    try:
+        assert W.builders_in(building.parent) is True
+        assert W.builders_in(left.parent) is False
+        assert W.clear_stale_locks(tmp_path) == [left]
+    finally:
+        compiler.kill()
+        compiler.wait()
+    assert not left.exists() and young.exists() and building.exists()
+
+
+def test_the_learner_set_up_clears_a_left_lock_before_and_while_it_waits(tmp_path,
+                                                                       monkeypatch) -> None:
+    from torch.utils.file_baton import FileBaton
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    before = _lock(tmp_path, "deepspeed_shm_comm", 300)
+    with W.watch_build_locks(after_s=0.2, every_s=0.2):
+        assert FileBaton(str(before)).try_acquire()  # torch's own lock: free at once
+        FileBaton(str(before)).release()
+        later = _lock(tmp_path, "cpu_adam", 300)  # its holder died while we waited
+        started = time.monotonic()
+        FileBaton(str(later), wait_seconds=0.05).wait()  # torch's wait: returns when it is gone
+        assert time.monotonic() - started < 5
