@@ -22,6 +22,7 @@ import numpy as np
 from services.common.trajectory import (
     ACTIONS,
     FINISH_REASONS,
+    PROTOCOLS,
     Probe,
     PromptGroup,
     ScoredTrajectory,
@@ -116,6 +117,10 @@ def _trajectory_to_map(traj: Trajectory) -> dict[str, Any]:
         "kind": traj.kind,
         "error": traj.error,
     }
+    if traj.protocol != "tags":
+        # Written only when it is not the default: a tags record stays byte-identical, and
+        # decoders that predate the key ignore it (forage.trajectory/1 readable both ways).
+        body["protocol"] = traj.protocol
     if any(t.docs for t in traj.turns):
         # Beside `turns`, not in them: decoders that predate it ignore the key, so a new
         # rollout can feed an old scorer/learner (forage.trajectory/1 stays readable both ways).
@@ -402,6 +407,7 @@ def _read_trajectory(f: _Fields) -> Trajectory:
         probe=_read_probe(f),
         kind=f.choice("kind", ("train", "eval"), default="train"),
         error=f.str("error", optional=True),
+        protocol=f.choice("protocol", PROTOCOLS, default="tags"),
     )
 
 

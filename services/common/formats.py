@@ -195,9 +195,24 @@ def probe_task(data_source: str) -> str:
     return "search"
 
 
-def probe_rule(data_source: str, suffix: str | None = None) -> ProbeRule:
-    """The data source's rule; `suffix` (config `probe.suffix`) replaces only its suffix."""
+# The search rule in rollout.protocol tool_calls (docs/probe.md, "Tool calls"). The span and
+# the suffix are the tags rule's: every token the template inserts between two assistant turns
+# (the rest of the closer, the tool messages and the next assistant header) has loss mask 0,
+# so a cut after a turn's last policy token runs on to the next policy token, i.e. right after
+# the last tool message's end of turn and the assistant header that follows it, where the
+# policy's next turn begins. A prefix that ends inside an unfinished `<tool_call>` is closed
+# as the policy closes one before `<answer>` is forced (the call is never run).
+PROBE_RULE_TOOL_CALLS_SEARCH = replace(
+    PROBE_RULES["search"], closers=(*PROBE_RULES["search"].closers, ("<tool_call>", "</tool_call>\n")))
+
+
+def probe_rule(data_source: str, suffix: str | None = None, protocol: str = "tags") -> ProbeRule:
+    """The data source's rule; `suffix` (config `probe.suffix`) replaces only its suffix;
+    `protocol` (rollout.protocol) "tool_calls" closes an unfinished tool call in a search
+    prefix (PROBE_RULE_TOOL_CALLS_SEARCH)."""
     rule = PROBE_RULES[probe_task(data_source)]
+    if protocol == "tool_calls" and rule.task == "search":
+        rule = PROBE_RULE_TOOL_CALLS_SEARCH
     # A suffix of the user's own is used as written: no closer is put in front of it.
     return rule if suffix is None else replace(rule, suffix=suffix, closers=())
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from services.common.tools import ToolSpec
+from services.common.tools import TOOL_REGISTRY, ToolSpec
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -200,3 +200,154 @@ def validate_small(value: Any, schema: Mapping[str, Any], where: str = "") -> st
 
 def _quote(raw: str) -> str:
     return raw if len(raw) <= _QUOTE_CHARS else raw[:_QUOTE_CHARS] + "..."
+
+
+# ---------------------------------------------------------------- whole trajectories
+#
+# The scorer reads a tool_calls response as text decoded with the template's special tokens
+# kept (services/scorer/worker.py), so the turn structure is in the text: the rendering of
+# assistant turn 1, the template's closer, the tool (or corrective user) messages, the next
+# assistant header, assistant turn 2, and so on. The first turn's header is in the prompt.
+
+# (assistant header, end of turn) of the chat formats whose turns these functions split:
+# ChatML (Qwen2/2.5/3, SmolLM2, the tiny policy) and Llama 3.
+TURN_MARKERS: tuple[tuple[str, str], ...] = (
+    ("<|im_start|>assistant\n", "<|im_end|>"),
+    ("<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
+)
+# End-of-sequence tokens a turn may end with instead of its end of turn (a model with several
+# EOS ids, e.g. the tiny policy's <|im_end|> and <|endoftext|>).
+_OTHER_ENDS: tuple[str, ...] = ("<|endoftext|>", "<|end_of_text|>")
+# Text of the template around messages, dropped from observations before they are read.
+_TEMPLATE_TOKENS = re.compile(
+    r"<\|im_start\|>(?:\w+)?\n?|<\|im_end\|>|<\|start_header_id\|>\w*<\|end_header_id\|>"
+    r"|<\|eot_id\|>|<\|endoftext\|>|<\|end_of_text\|>|</?tool_response>")
+
+
+@dataclass(frozen=True)
+class ResponseTurns:
+    """A tool_calls response split at the template's turn markers: the content of every
+    assistant turn (the policy's text, without header and end of turn) and the text between
+    them (the template's closers, tool results and headers: what the environment inserted)."""
+
+    assistant: list[str]
+    observations: list[str]
+
+
+def split_response(text: str) -> ResponseTurns:
+    """Split a decoded tool_calls response (special tokens kept) into its turns. A text
+    without any known turn marker is one assistant turn (e.g. a bare `<answer>X</answer>`)."""
+    for header, end in TURN_MARKERS:
+        if end in text or header in text:
+            break
+    else:
+        header, end = TURN_MARKERS[0]  # no turn marker: one turn (up to an EOS token)
+    assistant: list[str] = []
+    observations: list[str] = []
+    for index, part in enumerate(text.split(header)):
+        found = [at for at in (part.find(marker) for marker in (end, *_OTHER_ENDS)) if at != -1]
+        close = min(found, default=-1)
+        content, rest = (part, "") if close == -1 else (part[:close], part[close:])
+        if index:
+            observations[-1] += header
+        assistant.append(content)
+        observations.append(rest)
+    observations.pop()  # whatever follows the last turn's end of turn belongs to no turn
+    return ResponseTurns(assistant, observations)
+
+
+def observation_text(raw: str) -> str:
+    """An observation without the template's markers (role headers, end of turn,
+    `<tool_response>`): the tool results as the model read them."""
+    return _TEMPLATE_TOKENS.sub(" ", raw)
+
+
+def final_answer(text: str) -> str | None:
+    """The answer that ended a tool_calls trajectory: the last assistant turn's answer as the
+    rollout reads it (`parse_turn`: an `<answer>...</answer>` that closes before the turn's
+    first `<tool_call>`), stripped; None when the last turn did not answer. Earlier turns and
+    tool results are never read (a passage quoting `<answer>X</answer>` is not the policy's).
+    Linear in the text, as the scorer's tag scans are (services/scorer/rewards/text.py)."""
+    turn = split_response(text).assistant[-1]
+    found = _first_block(turn, "<answer>", "</answer>")
+    if found is None:
+        return None
+    first_call = turn.find(TOOL_CALL_OPEN)
+    if first_call != -1 and found[1] > first_call:
+        return None
+    return found[2].strip()
+
+
+def _first_block(text: str, opening: str, closing: str,
+                 position: int = 0) -> tuple[int, int, str] | None:
+    """(start, end, content) of the first `opening...closing` block from `position`: what
+    the lazy regex finds, without its rescans from every unclosed opening tag."""
+    start = text.find(opening, position)
+    if start == -1:
+        return None
+    end = text.find(closing, start + len(opening))
+    if end == -1:
+        return None
+    return start, end + len(closing), text[start + len(opening):end]
+
+
+TurnKind = Literal["tool", "answer"]
+
+
+def turn_format(content: str, specs: Sequence[ToolSpec] | None,
+                open_names: bool = False) -> TurnKind | None:
+    """What a well-formed assistant turn is, or None for an ill-formed one.
+
+    "tool": an optional `<think>...</think>`, then one or more `<tool_call>` blocks, each a
+    well-formed call (valid JSON `{"name", "arguments"}`, a declared tool, arguments valid
+    against its schema: `parse_call`), nothing but whitespace around them. "answer": an
+    optional `<think>...</think>`, then exactly one `<answer>...</answer>`, nothing after it
+    (Search-R1's rule: text after `</answer>` is invalid). `specs` None: the built-in tools.
+    `open_names`: a name outside `specs` (a tool the scorer cannot see, e.g. an MCP server's)
+    is judged on the call's shape only.
+    """
+    body = content.strip()
+    think = _first_block(body, "<think>", "</think>")
+    if think is not None and think[0] == 0:
+        body = body[think[1]:].strip()
+    if "<think>" in body or "</think>" in body:
+        return None
+    if body.startswith("<answer>"):
+        if (body.endswith("</answer>") and body.count("<answer>") == 1
+                and body.count("</answer>") == 1 and TOOL_CALL_OPEN not in body):
+            return "answer"
+        return None
+    if not body.startswith(TOOL_CALL_OPEN) or "<answer>" in body or "</answer>" in body:
+        return None
+    tools = {spec.name: spec for spec in (TOOL_REGISTRY.values() if specs is None else specs)}
+    position = 0
+    while position < len(body):
+        block = _first_block(body, TOOL_CALL_OPEN, TOOL_CALL_CLOSE, position)
+        if block is None or body[position:block[0]].strip():
+            return None  # an unclosed call, or text before or between the calls
+        call = parse_call(block[2], tools)
+        if isinstance(call, ToolCallError) and not (open_names and call.kind == "unknown_tool"):
+            return None
+        position = block[1]
+        while position < len(body) and body[position].isspace():
+            position += 1
+    return "tool"
+
+
+def well_formed_response(text: str, specs: Sequence[ToolSpec] | None = None,
+                         open_names: bool = False) -> bool:
+    """The tool_calls counterpart of Search-R1's structure rule: every assistant turn but the
+    last is well-formed tool call(s), and the last one is exactly one answer (`turn_format`).
+    An invalid turn (neither), a bad call (malformed JSON, unknown tool, bad arguments, an
+    unclosed block) or a trajectory that did not end with an answer is ill-formed."""
+    turns = split_response(text).assistant
+    if turn_format(turns[-1], specs, open_names) != "answer":
+        return False
+    return all(turn_format(turn, specs, open_names) == "tool" for turn in turns[:-1])
+
+
+def specs_from_schemas(schemas: Mapping[str, Any]) -> list[ToolSpec]:
+    """ToolSpecs from `{name: JSON schema of the arguments}` (what the scorer passes rewards
+    in `extra_info["tool_specs"]`); a schema that is not a mapping allows any arguments."""
+    return [ToolSpec(str(name), "", dict(schema) if isinstance(schema, Mapping) else {})
+            for name, schema in schemas.items()]

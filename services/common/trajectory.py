@@ -19,6 +19,9 @@ Action = Literal["search", "answer", "invalid", "none", "tool"]
 FinishReason = Literal["answer", "max_turns", "length", "error"]
 ACTIONS: tuple[str, ...] = ("search", "answer", "invalid", "none", "tool")
 FINISH_REASONS: tuple[str, ...] = ("answer", "max_turns", "length", "error")
+# How the policy acted (config rollout.protocol): Search-R1's tags or chat-template tool calls.
+Protocol = Literal["tags", "tool_calls"]
+PROTOCOLS: tuple[str, ...] = ("tags", "tool_calls")
 
 Messages = list[dict[str, str]]
 
@@ -95,6 +98,9 @@ class Trajectory:
     kind: Literal["train", "eval"] = "train"
     # Set when finish_reason == "error": what went wrong (e.g. retriever unreachable).
     error: str | None = None
+    # rollout.protocol that produced it; the scorer picks the answer and format rules by it.
+    # Records without the field (older rollouts) are "tags".
+    protocol: Protocol = "tags"
 
     def __post_init__(self) -> None:
         self.prompt_ids = int_array(self.prompt_ids)

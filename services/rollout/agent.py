@@ -683,7 +683,7 @@ class AgentLoop:
         version = min((turn.policy_version for turn in state.turns), default=0)
         if version % settings.every_k_versions != 0 or self._rng.random() >= settings.fraction:
             return
-        rule = probe_rule(state.group.data_source, settings.suffix)
+        rule = probe_rule(state.group.data_source, settings.suffix, self.settings.protocol)
         span = reasoning_span(self.tokenizer, state.response, state.mask, rule)
         cuts = span.cuts(settings.num_truncations)
         suffixes = cut_suffixes(self.tokenizer, state.response, cuts, rule)
@@ -752,4 +752,5 @@ class AgentLoop:
             probe=state.probe,
             kind=group.kind,
             error=state.error,
+            protocol=self.settings.protocol,
         )

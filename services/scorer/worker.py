@@ -51,6 +51,33 @@ def tokenizer_key_and_path(config: RunConfig) -> tuple[str, str | None]:
     return "scorer.tokenizer_path", None
 
 
+def response_text(tokenizer: Any, trajectory: Trajectory) -> str:
+    """The text the rewards read: the response decoded without special tokens (tags, verl's
+    convention), or with them for a tool_calls trajectory, whose turns the rewards split at
+    the chat template's markers (services.common.tool_calls.split_response)."""
+    return tokenizer.decode(trajectory.response_ids.tolist(),
+                            skip_special_tokens=trajectory.protocol != "tool_calls")
+
+
+def run_tool_info(config: RunConfig) -> dict[str, Any]:
+    """The run's tool declarations as the format reward reads them from extra_info:
+    `tool_specs` {name: argument schema} of rollout.tools (built-ins and user tools; their
+    schemas are in the config), `tool_specs_open` when rollout.mcp_servers add tools whose
+    schemas only the replica lists."""
+    from services.common.tools import TOOL_REGISTRY
+
+    rollout = getattr(config, "rollout", None)
+    specs: dict[str, Any] = {}
+    for entry in getattr(rollout, "tools", None) or ["search"]:
+        if isinstance(entry, str):
+            if entry in TOOL_REGISTRY:
+                specs[entry] = TOOL_REGISTRY[entry].parameters
+        else:
+            specs[entry.name] = dict(entry.parameters)
+    return {"tool_specs": specs,
+            "tool_specs_open": bool(getattr(rollout, "mcp_servers", None))}
+
+
 def load_tokenizer(path: str | None, key: str = "scorer.tokenizer_path") -> Any:
     """The tokenizer from a local directory; a missing one is one line naming `key`, never a
     model-hub lookup (services/common/paths.py)."""
@@ -113,6 +140,7 @@ class ScorerWorker:
         self.streams = streams
         self.name = name or config.scorer.name or f"scorer-{socket.gethostname()}-{os.getpid()}"
         self.vocab_size = vocab_bound(tokenizer)
+        self.tool_info = run_tool_info(config)
         self.stopping = False
         self.batches = 0
 
@@ -180,11 +208,10 @@ class ScorerWorker:
             self._dead(message, str(exc), "unknown_data_source")
             return None
         try:
-            text = self.tokenizer.decode(trajectory.response_ids.tolist(),
-                                         skip_special_tokens=True)
+            text = response_text(self.tokenizer, trajectory)
             item = _Item(message, trajectory, [ScoreRequest(
                 trajectory.data_source, text, trajectory.ground_truth,
-                self._extra_info(trajectory))])
+                self._extra_info(trajectory, self.tool_info))])
             if trajectory.probe is not None:
                 suffix = default_suffix(trajectory.data_source, self.config.probe.suffix)
                 item.probe_sizes = []
@@ -246,13 +273,20 @@ class ScorerWorker:
         return record, stats
 
     @staticmethod
-    def _extra_info(trajectory: Trajectory) -> dict[str, Any]:
-        """verl's extra_info plus what the trajectory knows (for users' reward functions)."""
+    def _extra_info(trajectory: Trajectory, tool_info: dict[str, Any] | None = None
+                    ) -> dict[str, Any]:
+        """verl's extra_info plus what the trajectory knows (for users' reward functions).
+        `protocol` is the trajectory's own; a tool_calls trajectory also gets the run's tool
+        declarations (`tool_info`: tool_specs, tool_specs_open) for the format reward."""
         info = dict(trajectory.extra)
         info.setdefault("num_searches", trajectory.num_searches)
         info.setdefault("finish_reason", trajectory.finish_reason)
         info.setdefault("num_turns", len(trajectory.turns))
         info.setdefault("kind", trajectory.kind)
+        info["protocol"] = trajectory.protocol
+        if trajectory.protocol == "tool_calls" and tool_info:
+            for key, value in tool_info.items():
+                info.setdefault(key, value)
         return info
 
     def _dead(self, message: Any, reason: str, label: str) -> None:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -20,8 +21,10 @@ import redis
 from services.common.codec import decode_as, encode
 from services.common.config import load_config
 from services.common.streams import RedisStreams
-from services.common.trajectory import Probe, ScoredTrajectory
+from services.common.tools import tool_specs
+from services.common.trajectory import Probe, ScoredTrajectory, Trajectory
 from services.scorer.pool import RewardPool
+from services.scorer.rewards.registry import RewardTable
 from services.scorer.scoring import Scorer
 from services.scorer.worker import ScorerWorker
 
@@ -78,6 +81,78 @@ def test_batch_in_same_number_out(redis_url, namespace, tokenizer, pool, make_tr
     np_equal = scored[trajectories[3].sample_id].trajectory.response_ids.tolist()
     assert np_equal == trajectories[3].response_ids.tolist()
     assert streams.pending("rollouts") == 0 and streams.lag("rollouts") == 0
+    assert streams.dead_letters() == []
+    streams.close()
+
+
+def _tool_calls_trajectory(tokenizer, turns: list[tuple[str, str | None]]) -> Trajectory:
+    """A tool_calls trajectory as the agent loop builds one with the tiny policy's chat
+    template: each turn's ids (mask 1), then the template's inserted ids for its tool result
+    (mask 0); the last turn ends on the end-of-turn token."""
+    from services.rollout.tools import ChatTurns
+
+    chat = ChatTurns(tokenizer, tool_specs(["search", "calculator"]))
+    question = [{"role": "user", "content": "Capital of France?"}]
+    response: list[int] = []
+    mask: list[int] = []
+    for text, result in turns:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if result is None:
+            ids.append(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        response += ids
+        mask += [1] * len(ids)
+        if result is not None:
+            name = json.loads(text.split("<tool_call>")[1].split("</tool_call>")[0])["name"]
+            inserted = chat.inserted_ids(question, [{"role": "tool", "name": name,
+                                                     "content": result}])
+            response += inserted
+            mask += [0] * len(inserted)
+    uid = uuid.uuid4().hex[:8]
+    return Trajectory(uid=uid, sample_id=f"{uid}:0:0",
+                      data_source="nq", policy_version=1,
+                      prompt_ids=chat.prompt_ids(question), response_ids=response,
+                      loss_mask=mask, rollout_logprobs=[0.0] * len(response),
+                      ground_truth=QA_GT, protocol="tool_calls",
+                      probe=Probe(fractions=[0.0, 1.0],
+                                  samples=[[" Rome </answer>"], [" Paris </answer>"]]))
+
+
+def test_tool_calls_trajectories_are_scored_by_their_protocol(redis_url, namespace, tokenizer,
+                                                              pool, make_trajectory):
+    """Over Redis: the worker decodes a tool_calls response with the template's markers and
+    the rewards read its final answer and its turns' format (docs/scorer.md, "Tool calls")."""
+    config = load_config(None, [f"redis.url={redis_url}", f"redis.namespace={namespace}"])
+    streams = RedisStreams.from_config(config.redis)
+    table = RewardTable({"nq": [{"function": "qa_em"},
+                                {"function": "qa_em_format", "weight": 0.5}]})
+    worker = ScorerWorker(config, Scorer(table, pool=pool, inner_timeout_s=1), tokenizer, streams)
+
+    def search(query):
+        return f'<tool_call>\n{json.dumps({"name": "search", "arguments": {"query": query}})}\n</tool_call>'
+
+    passage = 'Doc 1(Title: "France") The capital is Paris. <answer> Lyon </answer>'
+    calc = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n</tool_call>'
+    trajectories = [
+        # well-formed: EM 1 + 0.5 * 1
+        _tool_calls_trajectory(tokenizer, [(search("France"), passage),
+                                           ("<answer> Paris </answer>", None)]),
+        # calculator is not among this run's rollout.tools ([search]): ill-formed, 1 + 0.5 * 0.8
+        _tool_calls_trajectory(tokenizer, [(calc, "2"), ("<answer> Paris </answer>", None)]),
+        # no final answer; the passage's answer tags are not the policy's: 0 + 0.5 * 0
+        _tool_calls_trajectory(tokenizer, [(search("France"), passage), (search("Lyon"), None)]),
+        # a tags record beside them, read as before: 1 + 0.5 * 1
+        make_trajectory("nq", "<think>x</think>\n<answer> Paris </answer>", QA_GT),
+    ]
+    streams.ensure_group("rollouts")
+    streams.publish_many("rollouts", [encode(t) for t in trajectories])
+    worker.run(max_batches=1)
+    scored = {s.trajectory.sample_id: s for s in _scored(streams)}
+    assert [scored[t.sample_id].reward for t in trajectories] == pytest.approx(
+        [1.5, 1.4, 0.0, 1.5])
+    first = scored[trajectories[0].sample_id]
+    assert first.trajectory.protocol == "tool_calls"
+    assert first.reward_components == {"qa_em": 1.0, "qa_em_format": 1.0}
+    assert first.probe_scores == [0.0, 1.0]
     assert streams.dead_letters() == []
     streams.close()
 

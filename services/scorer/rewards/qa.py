@@ -13,7 +13,9 @@ import re
 from collections import Counter
 from typing import Literal
 
+from services.common import tool_calls
 from services.common.formats import SEARCH_R1_TEMPLATE
+from services.common.tools import ToolSpec
 from services.scorer.rewards.text import (
     gold_answers,
     last_answer,
@@ -48,24 +50,35 @@ def token_f1(prediction: str, gold: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
+def final_answer(solution_str: str, protocol: str = "tags") -> str | None:
+    """The answer a QA reward reads: in `tags`, the last `<answer>` of the response (Search-R1);
+    in `tool_calls`, the answer of the last assistant turn as the rollout parsed it, never one
+    inside a tool result (services.common.tool_calls.final_answer; docs/scorer.md)."""
+    if protocol == "tool_calls":
+        return tool_calls.final_answer(solution_str)
+    if protocol != "tags":
+        raise ValueError(f"protocol must be 'tags' or 'tool_calls', got {protocol!r}")
+    return last_answer(solution_str)
+
+
 def qa_em(solution_str: str, ground_truth: object, format_score: float = 0.0,
-          score: float = 1.0) -> float:
-    answer = last_answer(solution_str)
+          score: float = 1.0, protocol: str = "tags") -> float:
+    answer = final_answer(solution_str, protocol)
     if answer is None:
         return 0.0
     return score if em_check(answer, gold_answers(ground_truth)) else format_score
 
 
 def qa_subem(solution_str: str, ground_truth: object, format_score: float = 0.0,
-             score: float = 1.0) -> float:
-    answer = last_answer(solution_str)
+             score: float = 1.0, protocol: str = "tags") -> float:
+    answer = final_answer(solution_str, protocol)
     if answer is None:
         return 0.0
     return score if subem_check(answer, gold_answers(ground_truth)) else format_score
 
 
-def qa_f1(solution_str: str, ground_truth: object) -> float:
-    answer = last_answer(solution_str)
+def qa_f1(solution_str: str, ground_truth: object, protocol: str = "tags") -> float:
+    answer = final_answer(solution_str, protocol)
     if answer is None:
         return 0.0
     return max(token_f1(answer, gold) for gold in gold_answers(ground_truth))
@@ -143,14 +156,28 @@ def qa_em_format(
     retrieval_score: float = 0.0,
     score: float = 1.0,
     mode: Literal["forage", "search_r1"] = "forage",
+    protocol: str = "tags",
+    tools: list[ToolSpec] | None = None,
+    open_tool_names: bool = False,
 ) -> float:
     """Search-R1 v0.3 `compute_score_em` of qa_em_format.py (see reference/search_r1.md 4).
 
     `mode="forage"` reads the response only: its last complete answer (none → no answer) and
     its own `<information>` blocks. `mode="search_r1"` is Search-R1's function exactly,
-    prompt included (see `search_r1_view`)."""
+    prompt included (see `search_r1_view`). `protocol="tool_calls"` keeps the same table with
+    the tool_calls structure rule (`tool_calls.well_formed_response` against `tools`, None: the
+    built-ins), the final answer of `tool_calls.final_answer`, and the retrieval credit from
+    the tool results; `mode` is then ignored (Search-R1 has no tool_calls reading)."""
     golds = gold_answers(ground_truth)
-    if mode == "search_r1":
+    if protocol == "tool_calls":
+        valid = tool_calls.well_formed_response(solution_str, tools, open_tool_names)
+        retrieved = valid and any(
+            subem_check(tool_calls.observation_text(text), golds)
+            for text in tool_calls.split_response(solution_str).observations)
+        answer = tool_calls.final_answer(solution_str)
+    elif protocol != "tags":
+        raise ValueError(f"qa_em_format: protocol must be 'tags' or 'tool_calls', got {protocol!r}")
+    elif mode == "search_r1":
         text = search_r1_view(solution_str)
         valid = search_r1_valid(text)
         retrieved = valid and any(subem_check(block, golds)
