@@ -23,6 +23,7 @@ from services.common.trajectory import (
     ACTIONS,
     FINISH_REASONS,
     PROTOCOLS,
+    EvidenceProbe,
     Probe,
     PromptGroup,
     ScoredTrajectory,
@@ -67,6 +68,9 @@ def encode(record: Record) -> bytes:
         body["probe_scores"] = (
             None if record.probe_scores is None else [float(x) for x in record.probe_scores]
         )
+        if record.evidence_scores is not None:  # written only when probed (old readers skip it)
+            body["evidence_scores"] = {str(k): float(v)
+                                       for k, v in record.evidence_scores.items()}
     elif isinstance(record, Trajectory):
         body = _trajectory_to_map(record)
         body["schema"] = SCHEMA_TRAJECTORY
@@ -121,6 +125,10 @@ def _trajectory_to_map(traj: Trajectory) -> dict[str, Any]:
         # Written only when it is not the default: a tags record stays byte-identical, and
         # decoders that predate the key ignore it (forage.trajectory/1 readable both ways).
         body["protocol"] = traj.protocol
+    if traj.evidence is not None:
+        # Only when probed (probe.evidence): a record without it stays byte-identical.
+        body["evidence"] = {"samples": {str(k): list(v) for k, v in traj.evidence.samples.items()},
+                            "donor": traj.evidence.donor}
     if any(t.docs for t in traj.turns):
         # Beside `turns`, not in them: decoders that predate it ignore the key, so a new
         # rollout can feed an old scorer/learner (forage.trajectory/1 stays readable both ways).
@@ -408,6 +416,7 @@ def _read_trajectory(f: _Fields) -> Trajectory:
         kind=f.choice("kind", ("train", "eval"), default="train"),
         error=f.str("error", optional=True),
         protocol=f.choice("protocol", PROTOCOLS, default="tags"),
+        evidence=_read_evidence(f),
     )
 
 
@@ -475,6 +484,37 @@ def _read_probe(f: _Fields) -> Probe | None:
     return Probe(fractions=[float(x) for x in fractions], samples=samples)
 
 
+def _read_evidence(f: _Fields) -> EvidenceProbe | None:
+    """The optional `evidence` map: {"samples": {variant: [text, ...]}, "donor": str | null}."""
+    raw = f.raw("evidence")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise f._fail("evidence", "a map", raw)
+    samples, donor = raw.get("samples"), raw.get("donor")
+    if not isinstance(samples, dict) or not all(
+        isinstance(k, str) and isinstance(v, list) and all(isinstance(t, str) for t in v)
+        for k, v in samples.items()
+    ):
+        raise CodecError(f"{f.schema}: evidence.samples must map variant names to lists of "
+                         "strings")
+    if donor is not None and not isinstance(donor, str):
+        raise CodecError(f"{f.schema}: evidence.donor must be a string or null")
+    return EvidenceProbe(samples={k: list(v) for k, v in samples.items()}, donor=donor)
+
+
+def _read_evidence_scores(f: _Fields) -> dict[str, float] | None:
+    raw = f.raw("evidence_scores")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not all(
+        isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
+        for k, v in raw.items()
+    ):
+        raise CodecError(f"{f.schema}: evidence_scores must map names to numbers")
+    return {k: float(v) for k, v in raw.items()}
+
+
 def _read_scored(f: _Fields) -> ScoredTrajectory:
     trajectory = _read_trajectory(f)
     components = f.map("reward_components")
@@ -496,6 +536,7 @@ def _read_scored(f: _Fields) -> ScoredTrajectory:
         reward=reward,
         reward_components={k: float(v) for k, v in components.items()},
         probe_scores=probe_scores,
+        evidence_scores=_read_evidence_scores(f),
     )
 
 

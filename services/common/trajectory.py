@@ -80,6 +80,18 @@ class Probe:
 
 
 @dataclass
+class EvidenceProbe:
+    """Evidence-reliance probe rewrites (config `probe.evidence`; docs/probe.md): the final
+    turn written again after the trajectory's evidence blocks were emptied (`none`) or replaced
+    by another question's passages (`swapped`, from the group uid `donor`).
+    `samples[variant]` are the rewritten final turns; a variant that could not be built (no
+    donor at hand) is absent."""
+
+    samples: dict[str, list[str]]
+    donor: str | None = None
+
+
+@dataclass
 class Trajectory:
     uid: str
     sample_id: str
@@ -101,6 +113,8 @@ class Trajectory:
     # rollout.protocol that produced it; the scorer picks the answer and format rules by it.
     # Records without the field (older rollouts) are "tags".
     protocol: Protocol = "tags"
+    # The evidence-reliance probe's rewrites (None: not probed; older records have none).
+    evidence: EvidenceProbe | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = int_array(self.prompt_ids)
@@ -125,3 +139,6 @@ class ScoredTrajectory:
     reward: float
     reward_components: dict[str, float] = field(default_factory=dict)
     probe_scores: list[float] | None = None
+    # Evidence-reliance probe EM per variant ("real": the trajectory's own answer, "none",
+    # "swapped": mean over the rewrites) and "gap" = real - swapped; None when not probed.
+    evidence_scores: dict[str, float] | None = None

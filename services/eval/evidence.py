@@ -35,20 +35,30 @@ so a replayed probe is exact.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.formats import information_block, probe_rule
-from services.common.trajectory import Trajectory, Turn
+# The pure rules live in services/common/evidence.py (the rollout's training-time probe uses
+# them too); they are re-exported here under their old names.
+from services.common.evidence import (  # noqa: F401 (this module's public names)
+    EMPTY_BLOCK,
+    EVIDENCE_STOPS,
+    VARIANTS,
+    derangement,
+    donors,
+    evidence_cut,
+    information_runs,
+    rebuild,
+    swapped_block,
+    variant_prompts,
+)
+from services.common.formats import probe_rule
+from services.common.trajectory import Trajectory
 from services.eval.stats import mean, score_response
 from services.rollout.probe import reasoning_span
 
-VARIANTS: tuple[str, ...] = ("real", "none", "swapped")
 EVIDENCE_MAX_TOKENS = 500  # as a turn may have (`--max-tokens-per-turn`'s default)
-EVIDENCE_STOPS = ("</answer>", "</search>")
-EMPTY_BLOCK = information_block([])
 NO_SEARCH = "no_search"
 
 
@@ -61,60 +71,6 @@ class EvidenceSettings:
     max_tokens: int = EVIDENCE_MAX_TOKENS
 
 
-def derangement(n: int, seed: int) -> list[int]:
-    """A seeded permutation of range(n) with no fixed point (Sattolo's algorithm: one cycle),
-    so every question gets another question's passages; identity for n < 2 (no donor exists)."""
-    order = list(range(n))
-    if n < 2:
-        return order
-    rng = random.Random(f"forage-eval-evidence:{seed}")
-    for i in range(n - 1, 0, -1):
-        j = rng.randrange(i)
-        order[i], order[j] = order[j], order[i]
-    return order
-
-
-def donors(qids: Sequence[str], seed: int) -> dict[str, str]:
-    """Question id -> the id of the question whose passages it gets; empty for < 2 questions."""
-    if len(qids) < 2:
-        return {}
-    order = derangement(len(qids), seed)
-    return {qid: qids[order[i]] for i, qid in enumerate(qids)}
-
-
-def information_runs(turns: Sequence[Turn], response_length: int) -> list[tuple[int, int]]:
-    """[start, end) of each observation that answered a search with passages: the tokens after
-    a search turn that retrieved (`docs` set) up to the next turn. Corrective messages and
-    rejected queries are not evidence and stay as they were."""
-    runs = []
-    for i, turn in enumerate(turns):
-        if turn.action != "search" or turn.docs is None:
-            continue
-        end = turns[i + 1].start if i + 1 < len(turns) else response_length
-        if end > turn.end:
-            runs.append((turn.end, end))
-    return runs
-
-
-def rebuild(prompt_ids: Sequence[int], response_ids: Sequence[int], cut: int,
-            runs: Sequence[tuple[int, int]], replacement: Sequence[int] | None,
-            suffix: Sequence[int]) -> list[int]:
-    """prompt + response[:cut] + suffix, with every run that starts before the cut replaced by
-    `replacement` (None: kept). Pure token concatenation: the policy's own tokens are reused."""
-    response = list(response_ids)
-    out = list(prompt_ids)
-    position = 0
-    for start, end in runs:
-        if start >= cut:
-            break
-        if replacement is None:
-            continue
-        out += response[position:start] + list(replacement)
-        position = min(end, cut)
-    out += response[position:cut] + list(suffix)
-    return out
-
-
 @dataclass(frozen=True)
 class Prepared:
     """The three probe prompts of one trajectory (None: that variant cannot be built)."""
@@ -122,7 +78,7 @@ class Prepared:
     prompts: dict[str, list[int] | None]
 
 
-def prepare(tokenizer: Any, trajectory: Trajectory, swapped_block: str | None,
+def prepare(tokenizer: Any, trajectory: Trajectory, swapped: str | None,
             max_obs_length: int) -> Prepared | None:
     """The probe prompts of one trajectory, or None when it retrieved nothing to replace."""
     runs = information_runs(trajectory.turns, len(trajectory.response_ids))
@@ -131,27 +87,16 @@ def prepare(tokenizer: Any, trajectory: Trajectory, swapped_block: str | None,
     rule = probe_rule(trajectory.data_source)
     response = [int(t) for t in trajectory.response_ids]
     span = reasoning_span(tokenizer, response, [int(m) for m in trajectory.loss_mask], rule)
-    evidence_ends = [end for _, end in runs if end <= span.end]
-    if not evidence_ends:
+    cut = evidence_cut(runs, span.end)  # right after the last evidence before the answer
+    if cut is None:
         return None
-    cut = evidence_ends[-1]  # right after the last evidence before the answer
-    prompt = [int(t) for t in trajectory.prompt_ids]
 
     def encode(text: str) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=False))[:max_obs_length]
 
-    prompts: dict[str, list[int] | None] = {
-        "real": rebuild(prompt, response, cut, runs, None, []),
-        "none": rebuild(prompt, response, cut, runs, encode(EMPTY_BLOCK), []),
-        "swapped": None if swapped_block is None else rebuild(
-            prompt, response, cut, runs, encode(swapped_block), []),
-    }
+    prompts = variant_prompts([int(t) for t in trajectory.prompt_ids], response, runs, cut,
+                              encode, swapped)
     return Prepared(prompts)
-
-
-def swapped_block(found: Any) -> str | None:
-    """The information block of a donor's retrieval result; None for a rejected query."""
-    return information_block(found) if isinstance(found, list) else None
 
 
 def force_answers(engine: Any, prepared: Mapping[str, Prepared], ground_truth: Mapping[str, Any],

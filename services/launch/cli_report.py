@@ -68,6 +68,9 @@ def format_table(summary: dict[str, Any]) -> str:
     if summary.get("probe_overconf_start") is not None:
         rows.append(("probe overconf", f"{_fmt(summary['probe_overconf_start'])} -> "
                                        f"{_fmt(summary['probe_overconf_end'])}"))
+    if summary.get("evidence_gap_end") is not None:  # probe.evidence ran
+        rows.append(("evidence gap", f"{_fmt(summary['evidence_gap_start'])} -> "
+                                     f"{_fmt(summary['evidence_gap_end'])}  (EM real - swapped)"))
     if summary.get("malformed_lines"):
         rows.append(("skipped lines", str(summary["malformed_lines"])))
     width = max(len(name) for name, _ in rows)

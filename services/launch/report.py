@@ -230,6 +230,7 @@ def summarize(train_rows: list[Row], eval_rows: list[Row],
     em_before = _eval_value(eval_rows, 0, "eval/em")
     em_after = _eval_value(eval_rows, -1, "eval/em")
     probe_rows = [row for row in train_rows if has_probe(row)]
+    evidence_rows = [row for row in train_rows if _number(row.get("probe/evidence_count"))]
     first_train = train_rows[:EDGE_ROWS]
     last_train = train_rows[-EDGE_ROWS:]
     return {
@@ -257,9 +258,23 @@ def summarize(train_rows: list[Row], eval_rows: list[Row],
         "probe_end": probe_curve(probe_rows[-EDGE_ROWS:]),
         "probe_overconf_start": mean_of(probe_rows[:EDGE_ROWS], "probe_all/overconf"),
         "probe_overconf_end": mean_of(probe_rows[-EDGE_ROWS:], "probe_all/overconf"),
+        # only when probe.evidence ran: a run without it keeps its summary as it was
+        **(evidence_summary(evidence_rows) if evidence_rows else {}),
         "train_lines": len(train_rows),
         "eval_lines": len(eval_rows),
     }
+
+
+def evidence_summary(rows: list[Row]) -> dict[str, float | None]:
+    """The evidence-reliance probe (probe.evidence) over the first and last `EDGE_ROWS` train
+    rows that ran it: EM of the real answer and of the none / swapped rewrites, and the gap
+    real - swapped (docs/probe.md). None where no row has it."""
+    out: dict[str, float | None] = {}
+    for name, key in (("real_em", "probe/evidence_real_em"), ("none_em", "probe/evidence_none_em"),
+                      ("swapped_em", "probe/evidence_swapped_em"), ("gap", "probe/evidence_gap")):
+        out[f"evidence_{name}_start"] = mean_of(rows[:EDGE_ROWS], key)
+        out[f"evidence_{name}_end"] = mean_of(rows[-EDGE_ROWS:], key)
+    return out
 
 
 # ---------------------------------------------------------------- statistics for the plots

@@ -66,6 +66,14 @@ def _num(value: float | None, digits: int = 3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
+def _evidence_ems(summary: dict[str, Any], edge: str) -> str:
+    """`0.80 / 0.20 / 0.30`: the evidence probe's EM per variant at the start or end."""
+    values = [summary.get(f"evidence_{v}_em_{edge}") for v in ("real", "none", "swapped")]
+    if all(v is None for v in values):
+        return "n/a"
+    return " / ".join(_num(v, 2) for v in values)
+
+
 def _em_cell(row: Row | None, source: str | None = None) -> str:
     """`44.3% [36.3, 52.6] n=140`: EM with its 95% Wilson interval and n."""
     if row is None:
@@ -105,6 +113,12 @@ def summary_table(summary: dict[str, Any], evals: list[Row]) -> str:
                                           f"{summary.get('policy_version')}"),
         ("wall time", "", _wall(summary.get("wall_seconds"))),
     ]
+    if "evidence_real_em_end" in summary:  # probe.evidence ran (docs/probe.md)
+        rows.insert(-2, ("evidence probe EM real / none / swapped",
+                         _evidence_ems(summary, "start"), _evidence_ems(summary, "end")))
+        rows.insert(-2, ("evidence gap (real - swapped EM)",
+                         _num(summary.get("evidence_gap_start")),
+                         _num(summary.get("evidence_gap_end"))))
     if summary.get("malformed_lines"):
         rows.append(("skipped metrics lines", "", str(summary["malformed_lines"])))
     head = (f"<tr><th></th><th>before RL (step {_e(summary.get('em_before_step'))})</th>"

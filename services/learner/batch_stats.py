@@ -82,15 +82,16 @@ def probe_metrics(items: Sequence[ScoredTrajectory]) -> dict[str, float]:
     """The probe curve (accuracy vs fraction of reasoning seen) over probed trajectories, for
     all / correct / incorrect ones, with overconfidence; {} when nothing in the batch was probed.
     Trajectories probed on a different fraction grid than the first one are left out."""
+    out = evidence_metrics(items)
     probed = [i for i in items if i.probe_scores is not None and i.trajectory.probe is not None]
     if not probed:
-        return {}
+        return out
     fractions = list(probed[0].trajectory.probe.fractions)
     probed = [i for i in probed if list(i.trajectory.probe.fractions) == fractions
               and len(i.probe_scores) == len(fractions)]
     correct = [list(map(float, i.probe_scores)) for i in probed if is_correct(i)]
     incorrect = [list(map(float, i.probe_scores)) for i in probed if not is_correct(i)]
-    out = _curve_metrics("all", fractions, correct + incorrect)
+    out.update(_curve_metrics("all", fractions, correct + incorrect))
     out.update(_curve_metrics("correct", fractions, correct))
     out.update(_curve_metrics("incorrect", fractions, incorrect))
     out["probe_all/n_correct"] = float(len(correct))
@@ -106,4 +107,38 @@ def overconfidence_per_row(items: Sequence[ScoredTrajectory]) -> list[float | No
             out.append(float(overconfidence([float(s) for s in item.probe_scores])))
         else:
             out.append(None)
+    return out
+
+
+def evidence_metrics(items: Sequence[ScoredTrajectory]) -> dict[str, float]:
+    """The evidence-reliance probe over the batch's probed trajectories (probe.evidence;
+    docs/probe.md): mean EM of the real answer and of the `none` / `swapped` rewrites, the
+    mean gap real - swapped (over those with a swapped variant), and how many were probed;
+    {} when none was."""
+    probed = [i.evidence_scores for i in items if i.evidence_scores]
+    if not probed:
+        return {}
+    out = {"probe/evidence_count": float(len(probed)),
+           "probe/evidence_real_em": _mean(e["real"] for e in probed if "real" in e)}
+    for variant in ("none", "swapped"):
+        values = [e[variant] for e in probed if variant in e]
+        if values:
+            out[f"probe/evidence_{variant}_em"] = _mean(values)
+    gaps = [e["gap"] for e in probed if "gap" in e]
+    if gaps:
+        out["probe/evidence_gap"] = _mean(gaps)
+        out["probe/evidence_swapped_count"] = float(len(gaps))
+    return out
+
+
+def memory_answers(items: Sequence[ScoredTrajectory]) -> list[float | None]:
+    """Per trajectory, for probe.evidence.coeff: 1 when its own answer is right and survives
+    swapped evidence (EM(real) * EM(swapped): answered from memory, not from what it read),
+    a fraction with several rewrites, 0 when it relies on its evidence or is wrong; None when
+    no swapped variant was scored."""
+    out: list[float | None] = []
+    for item in items:
+        e = item.evidence_scores
+        out.append(float(e["real"]) * float(e["swapped"])
+                   if e and "real" in e and "swapped" in e else None)
     return out

@@ -673,6 +673,7 @@ class LearnerLoop:
                 samples, items, self.options, self.learner.adv_estimator,
                 bnpo_state=self.bnpo_state, kl_controller=self.kl_controller,
                 overconf_coeff=self.cfg.probe.overconf_coeff, reward_baselines=reward_baselines,
+                evidence_coeff=self.cfg.probe.evidence.coeff,
             )
             adv_metrics.update(correction)
         broadcast_fields(samples, ("advantages", "returns"))

@@ -20,7 +20,7 @@ from services.common.trajectory import ScoredTrajectory
 from services.learner import algorithms as alg
 from services.learner.algorithms.kl import KLController
 from services.learner.algorithms.registry import NEEDS_POLICY_STATS, NEEDS_ROW_INPUTS
-from services.learner.batch_stats import overconfidence_per_row
+from services.learner.batch_stats import memory_answers, overconfidence_per_row
 from services.learner.packing import (
     Sample,
     response_tensors,
@@ -134,6 +134,7 @@ def assign_advantages(
     kl_controller: KLController | None = None,
     overconf_coeff: float = 0.0,
     reward_baselines: dict[str, float] | None = None,
+    evidence_coeff: float = 0.0,
 ) -> dict[str, float]:
     """Fill `advantages` and `returns` of every sample; returns the step's advantage metrics.
 
@@ -152,7 +153,7 @@ def assign_advantages(
             float(reward_baselines.get(items[row].trajectory.uid, 0.0)))]
     if len(scorable) == len(items):
         return _assign(samples, items, options, estimator, bnpo_state, kl_controller,
-                       overconf_coeff, reward_baselines)
+                       overconf_coeff, reward_baselines, evidence_coeff)
     for row in sorted(set(range(len(items))) - set(scorable)):
         sample = samples[row]
         zeros = np.zeros(len(sample) - sample.prompt_len, dtype=np.float32)
@@ -163,7 +164,8 @@ def assign_advantages(
     metrics: dict[str, float] = {}
     if scorable:
         metrics = _assign([samples[r] for r in scorable], [items[r] for r in scorable], options,
-                          estimator, bnpo_state, kl_controller, overconf_coeff, reward_baselines)
+                          estimator, bnpo_state, kl_controller, overconf_coeff, reward_baselines,
+                          evidence_coeff)
     metrics["rewards/unscorable_fraction"] = 1.0 - len(scorable) / len(items)
     return metrics
 
@@ -177,6 +179,7 @@ def _assign(
     kl_controller: KLController | None,
     overconf_coeff: float,
     reward_baselines: dict[str, float] | None = None,
+    evidence_coeff: float = 0.0,
 ) -> dict[str, float]:
     tensors = response_tensors(samples, [float(i.reward) for i in items])
     mask = tensors["response_mask"]
@@ -205,6 +208,12 @@ def _assign(
         over = overconfidence_per_row(items)
         advantages = alg.apply_overconfidence_penalty(advantages, mask, over, overconf_coeff)
         metrics.update(alg.overconfidence_penalty_metrics(over, overconf_coeff))
+    if evidence_coeff != 0.0:
+        memory = memory_answers(items)
+        advantages = evidence_shaping(advantages, mask, memory, evidence_coeff)
+        shaped = [m for m in memory if m is not None]
+        metrics["probe/evidence_penalty_mean"] = (
+            evidence_coeff * sum(shaped) / len(shaped) if shaped else 0.0)
     set_response_matrix(samples, "advantages", advantages)
     set_response_matrix(samples, "returns", returns)
     if mask.sum() > 0:
@@ -266,3 +275,16 @@ def pf_ppo_batch(rewards: Sequence[float], options: alg.AlgorithmSettings, seed:
     generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(step))
     scores = torch.tensor(list(rewards), dtype=torch.float32)
     return pf_ppo_resample(scores, generator=generator, **options.pf_ppo_options())
+
+
+def evidence_shaping(advantages: torch.Tensor, response_mask: torch.Tensor,
+                     memory: Sequence[float | None], coeff: float) -> torch.Tensor:
+    """probe.evidence.coeff (a departure from Search-R1; docs/probe.md): advantages - coeff *
+    memory on each row's masked tokens, after normalisation, where `memory` is
+    `batch_stats.memory_answers` (1: a right answer that survives swapped evidence; None: not
+    probed, unchanged). A new tensor."""
+    if len(memory) != advantages.shape[0]:
+        raise ValueError(f"{len(memory)} rows of evidence for {advantages.shape[0]} advantages")
+    penalty = torch.tensor([0.0 if m is None else coeff * float(m) for m in memory],
+                           dtype=advantages.dtype, device=advantages.device)
+    return advantages - penalty.unsqueeze(-1) * response_mask.to(advantages.dtype)

@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from services.common.evidence import EVIDENCE_STOPS
 from services.common.formats import (
     CORRECTIVE_MESSAGE,
     STOP_STRINGS,
@@ -44,9 +45,10 @@ from services.common.tool_calls import (
     parse_turn,
 )
 from services.common.tools import ToolSpec
-from services.common.trajectory import Probe, PromptGroup, Trajectory, Turn
+from services.common.trajectory import EvidenceProbe, Probe, PromptGroup, Trajectory, Turn
 from services.rollout import metrics
 from services.rollout.engine import Engine, GenerationOutput, GenerationRequest, SamplingParams
+from services.rollout.evidence import DonorPool, evidence_prompts, has_evidence
 from services.rollout.probe import (
     ProbeSettings,
     cut_suffixes,
@@ -118,6 +120,9 @@ class _State:
     probe: Probe | None = None
     probe_pending: int = 0
     probe_waves: list[list[GenerationRequest]] = field(default_factory=list)
+    # probe.evidence: the rewrites of the final turn, and how many are still being generated.
+    evidence: EvidenceProbe | None = None
+    evidence_pending: int = 0
     # tool_calls protocol: the prompt messages (the context inserted turns are rendered after),
     # the results of the turn's calls as they arrive (None: a search still out), whether the
     # turn ended on the end-of-turn token itself, and per-tool statistics.
@@ -133,7 +138,8 @@ class _State:
 
     @property
     def done(self) -> bool:
-        return self.finish_reason is not None and self.probe_pending == 0 and not self.probe_waves
+        return (self.finish_reason is not None and self.probe_pending == 0
+                and not self.probe_waves and self.evidence_pending == 0)
 
 
 class AgentLoop:
@@ -155,6 +161,11 @@ class AgentLoop:
         self.probe = probe or ProbeSettings()
         self.on_step = on_step
         self._rng = random.Random(seed)
+        # probe.evidence draws from its own generator: turning it on leaves the truncation
+        # probe's draws as they were.
+        self.evidence = self.probe.evidence
+        self._evidence_rng = random.Random(f"forage-evidence:{seed}")
+        self._donors = DonorPool()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retrieve")
         self.tool_mode = settings.protocol == "tool_calls"
         self.tool_specs: list[ToolSpec] = []
@@ -400,6 +411,8 @@ class AgentLoop:
         kind, state = output.tag[0], output.tag[1]
         if kind == "probe":
             return self._handle_probe(output)
+        if kind == "evidence":
+            return self._handle_evidence(output)
         if output.finish in ("error", "aborted"):  # the engine rejected or aborted the turn
             state.finish_reason = "error"
             state.error = str(output.extra.get("error") or f"engine finish cause {output.finish}")
@@ -663,6 +676,9 @@ class AgentLoop:
                 observation = information_block(docs)
                 if state.turns:  # the search turn that asked: keep what it got (samples)
                     state.turns[-1].docs = doc_refs(docs)
+                if self.evidence.enable and state.group.kind == "train":
+                    # a donor for other questions' `swapped` variant (rollout/evidence.py)
+                    self._donors.add(state.group.uid, state.group.ground_truth, observation)
             if self._append_observation(state, observation):
                 self._continue(state, deferred, lockstep)
             else:
@@ -675,6 +691,8 @@ class AgentLoop:
     def _start_probe(self, state: _State) -> None:
         """Called once a trajectory stops generating: free its KV, then maybe probe it."""
         self.engine.release(id(state))
+        if self.evidence.enable:
+            self._start_evidence(state)
         settings = self.probe
         if not settings.enable or state.finish_reason == "error" or state.probe_waves:
             return
@@ -722,6 +740,46 @@ class AgentLoop:
             self._next_probe_wave(state)
         return state
 
+    def _start_evidence(self, state: _State) -> None:
+        """probe.evidence: for a sampled finished train trajectory with evidence, generate its
+        final turn again without its evidence (`none`) and with another question's
+        (`swapped`); the rewrites travel on the trajectory, the scorer grades them."""
+        settings = self.evidence
+        if state.evidence is not None or state.finish_reason == "error" \
+                or state.group.kind == "eval" or self.tool_mode or not has_evidence(state.turns):
+            return
+        version = min((turn.policy_version for turn in state.turns), default=0)
+        if version % settings.every_k_versions != 0 \
+                or self._evidence_rng.random() >= settings.fraction:
+            return
+        donor = self._donors.draw(state.group.uid, state.group.ground_truth, self._evidence_rng)
+        prompts = evidence_prompts(
+            self.tokenizer, state.prompt_ids, state.response, state.mask, state.turns,
+            state.group.data_source, donor[1] if donor else None, self.settings.max_obs_length)
+        if prompts is None:
+            return
+        params = SamplingParams(
+            temperature=settings.temperature, top_p=1.0,
+            max_tokens=settings.max_tokens or self.settings.max_tokens_per_turn,
+            stop=EVIDENCE_STOPS,
+        )
+        built = {variant: ids for variant, ids in prompts.items() if ids is not None}
+        state.evidence = EvidenceProbe(samples={variant: [] for variant in built},
+                                       donor=donor[0] if donor and "swapped" in built else None)
+        requests = [GenerationRequest(list(ids), params, tag=("evidence", state, variant))
+                    for variant, ids in built.items() for _ in range(settings.samples)]
+        state.evidence_pending = len(requests)
+        for request in requests:
+            self.engine.add_request(request)
+
+    def _handle_evidence(self, output: GenerationOutput) -> _State:
+        _, state, variant = output.tag
+        assert state.evidence is not None
+        state.evidence.samples[variant].append(
+            self.tokenizer.decode(output.token_ids, skip_special_tokens=True))
+        state.evidence_pending -= 1
+        return state
+
     # ------------------------------------------------------------------ records
 
     def _extra(self, state: _State) -> dict[str, Any]:
@@ -753,4 +811,5 @@ class AgentLoop:
             kind=group.kind,
             error=state.error,
             protocol=self.settings.protocol,
+            evidence=state.evidence,
         )

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.formats import (
@@ -59,9 +59,19 @@ class ProbeSettings:
     num_splits: int = 1
     fraction: float = 1.0
     every_k_versions: int = 1
+    # probe.evidence: the evidence-reliance probe (services/rollout/evidence.py).
+    evidence: Any = field(default=None)
+
+    def __post_init__(self) -> None:
+        from services.rollout.evidence import EvidenceSettings
+
+        if self.evidence is None:
+            self.evidence = EvidenceSettings()
 
     @classmethod
     def from_config(cls, section: Any) -> ProbeSettings:
+        from services.rollout.evidence import EvidenceSettings
+
         return cls(
             enable=section.enable,
             num_truncations=section.num_truncations,
@@ -71,6 +81,7 @@ class ProbeSettings:
             num_splits=section.num_splits,
             fraction=section.fraction,
             every_k_versions=section.every_k_versions,
+            evidence=EvidenceSettings.from_config(getattr(section, "evidence", None)),
         )
 
     @property

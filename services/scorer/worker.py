@@ -29,6 +29,8 @@ from typing import Any
 
 from services.common.codec import CodecError, check_token_ids, decode_as, encode
 from services.common.config import RunConfig
+from services.common.evidence import evidence_scores
+from services.common.probe_curve import CORRECT_THRESHOLD
 from services.common.trajectory import ScoredTrajectory, Trajectory
 from services.scorer import metrics
 from services.scorer.rewards.probe import default_suffix, probe_texts, summarize
@@ -129,6 +131,9 @@ class _Item:
     trajectory: Trajectory
     requests: list[ScoreRequest]  # its reward, then its probe samples
     probe_sizes: list[int] | None = None  # probe samples per fraction
+    # probe.evidence: (variant, rewrites) after the probe samples, behind one request for the
+    # real answer (the response itself, format credit 0).
+    evidence_sizes: list[tuple[str, int]] | None = None
 
 
 class ScorerWorker:
@@ -220,6 +225,15 @@ class ScorerWorker:
                     item.requests.extend(ScoreRequest(trajectory.data_source, sample,
                                                       trajectory.ground_truth, for_probe=True)
                                          for sample in group)
+            if trajectory.evidence is not None:
+                item.requests.append(ScoreRequest(trajectory.data_source, text,
+                                                  trajectory.ground_truth, for_probe=True))
+                item.evidence_sizes = []
+                for variant, rewrites in trajectory.evidence.samples.items():
+                    item.evidence_sizes.append((variant, len(rewrites)))
+                    item.requests.extend(ScoreRequest(trajectory.data_source, rewrite,
+                                                      trajectory.ground_truth, for_probe=True)
+                                         for rewrite in rewrites)
         except Exception as exc:
             log.exception("preparing %s failed", message.id)
             self._dead(message, f"cannot prepare the record: {_describe(exc)}", "error")
@@ -261,15 +275,26 @@ class ScorerWorker:
             raise _Rejected(f"reward failed: the reward is {main.score} (must be finite, or "
                             "NaN for none)", "reward_error")
         probe_scores, stats = None, None
+        start = 1
         if item.probe_sizes is not None:
-            grouped, start = [], 1
+            grouped = []
             for size in item.probe_sizes:
                 grouped.append([r.score for r in results[start:start + size]])
                 start += size
             summary = summarize(item.trajectory.probe.fractions, grouped)
             probe_scores = summary.per_fraction
             stats = (summary.auc, summary.overconfidence)
-        record = ScoredTrajectory(item.trajectory, main.score, main.components, probe_scores)
+        evidence = None
+        if item.evidence_sizes is not None:
+            real = results[start].score
+            start += 1
+            rewrites: dict[str, list[float]] = {}
+            for variant, size in item.evidence_sizes:
+                rewrites[variant] = [r.score for r in results[start:start + size]]
+                start += size
+            evidence = evidence_scores(real, rewrites, CORRECT_THRESHOLD)
+        record = ScoredTrajectory(item.trajectory, main.score, main.components, probe_scores,
+                                  evidence)
         return record, stats
 
     @staticmethod

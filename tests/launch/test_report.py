@@ -208,3 +208,24 @@ def test_cli_missing_run_dir_exits_2_naming_it(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert str(missing) in result.stderr and "error" in result.stderr
     assert result.stdout == ""
+
+
+def test_evidence_probe_in_the_summary_only_when_it_ran(tmp_path: Path) -> None:
+    from services.launch.cli_report import format_table
+    from services.launch.report_html import summary_table
+
+    rows = [_train(step, 0.1, probe=False) for step in range(1, 8)]
+    plain = summarize(rows, [], None)
+    assert not any(key.startswith("evidence_") for key in plain)
+    assert "evidence" not in summary_table(plain, [])
+    for step, row in enumerate(rows, start=1):
+        if step >= 2:  # probe.evidence.every_k_versions: step 1 did not probe
+            row.update({"probe/evidence_count": 4.0, "probe/evidence_real_em": 0.5,
+                        "probe/evidence_none_em": 0.1, "probe/evidence_swapped_em": 0.1 * step,
+                        "probe/evidence_gap": 0.6 - 0.1 * step})
+    summary = summarize(rows, [], None)
+    assert summary["evidence_real_em_start"] == 0.5
+    assert summary["evidence_swapped_em_start"] == pytest.approx(0.4)  # steps 2..6
+    assert summary["evidence_gap_end"] == pytest.approx(0.1)  # steps 3..7
+    assert "evidence gap (real - swapped EM)" in summary_table(summary, [])
+    assert re.search(r"evidence gap\s+0\.200 -> 0\.100", format_table(summary))

@@ -163,3 +163,52 @@ def test_ledger_reject_flags_the_group_for_reissue():
         2, 1, 1, 1)
     assert ledger.reject(scored("zzz", 0, 0.0)) == "unknown"
     torch.manual_seed(0)
+
+
+def with_evidence(item: ScoredTrajectory, scores: dict[str, float] | None) -> ScoredTrajectory:
+    item.evidence_scores = scores
+    return item
+
+
+def test_evidence_metrics_and_memory_answers():
+    from services.learner.batch_stats import evidence_metrics, memory_answers
+
+    items = [with_evidence(scored("a", 0, 1.0), {"real": 1.0, "none": 0.0, "swapped": 0.0,
+                                                 "gap": 1.0}),
+             with_evidence(scored("a", 1, 1.0), {"real": 1.0, "none": 1.0, "swapped": 1.0,
+                                                 "gap": 0.0}),
+             with_evidence(scored("b", 0, 0.0), {"real": 0.0, "none": 0.5}),  # no donor
+             scored("b", 1, 0.0)]
+    m = evidence_metrics(items)
+    assert m["probe/evidence_count"] == 3 and m["probe/evidence_swapped_count"] == 2
+    assert m["probe/evidence_real_em"] == pytest.approx(2 / 3)
+    assert m["probe/evidence_none_em"] == pytest.approx(0.5)
+    assert m["probe/evidence_swapped_em"] == pytest.approx(0.5)
+    assert m["probe/evidence_gap"] == pytest.approx(0.5)
+    assert probe_metrics(items) == m  # the step's probe metrics carry them
+    assert evidence_metrics([scored("a", 0, 1.0)]) == {}
+    assert memory_answers(items) == [0.0, 1.0, None, None]
+
+
+def test_evidence_shaping_lowers_only_memory_answers():
+    from services.learner.rl_batch import evidence_shaping
+
+    items = [with_evidence(scored("a", 0, 1.0), {"real": 1.0, "swapped": 1.0, "gap": 0.0}),
+             with_evidence(scored("a", 1, 1.0), {"real": 1.0, "swapped": 0.0, "gap": 1.0}),
+             scored("a", 2, 0.0)]
+    samples, base = samples_of(items), samples_of(items)
+    assign_advantages(base, items, AlgorithmSettings(), "grpo")
+    metrics = assign_advantages(samples, items, AlgorithmSettings(), "grpo",
+                                evidence_coeff=0.5)
+    delta = base[0].response_field("advantages") - samples[0].response_field("advantages")
+    assert delta == pytest.approx([0.5, 0.5, 0.0, 0.5], abs=1e-6)  # loss-mask tokens only
+    for row in (1, 2):
+        assert np.array_equal(base[row].response_field("advantages"),
+                              samples[row].response_field("advantages"))
+    assert metrics["probe/evidence_penalty_mean"] == pytest.approx(0.25)
+    adv = torch.zeros(2, 3)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    shaped = evidence_shaping(adv, mask, [None, 1.0], 0.1)
+    assert torch.allclose(shaped, torch.tensor([[0.0, 0.0, 0.0], [-0.1, -0.1, -0.1]]))
+    with pytest.raises(ValueError, match="rows of evidence"):
+        evidence_shaping(adv, mask, [None], 0.1)

@@ -22,7 +22,7 @@ from services.common.codec import decode_as, encode
 from services.common.config import load_config
 from services.common.streams import RedisStreams
 from services.common.tools import tool_specs
-from services.common.trajectory import Probe, ScoredTrajectory, Trajectory
+from services.common.trajectory import EvidenceProbe, Probe, ScoredTrajectory, Trajectory
 from services.scorer.pool import RewardPool
 from services.scorer.rewards.registry import RewardTable
 from services.scorer.scoring import Scorer
@@ -68,6 +68,11 @@ def test_batch_in_same_number_out(redis_url, namespace, tokenizer, pool, make_tr
         make_trajectory("countdown", "<answer>(1 + 2) * 3</answer>",
                         {"target": 9, "numbers": [1, 2, 3]}),
     ]
+    # probe.evidence rewrites, scored after the truncation probe's samples (format credit 0)
+    trajectories[0].evidence = EvidenceProbe(
+        {"none": ["<think> hmm </think>\n<answer> Rome </answer>"],
+         "swapped": ["<answer> Paris </answer>", "<answer> Lyon </answer>"]}, donor="g9")
+    trajectories[1].evidence = EvidenceProbe({"none": ["<answer> Paris </answer>"]})
     streams.ensure_group("rollouts")
     streams.publish_many("rollouts", [encode(t) for t in trajectories])
     worker.run(max_batches=1)
@@ -77,6 +82,10 @@ def test_batch_in_same_number_out(redis_url, namespace, tokenizer, pool, make_tr
     assert rewards == [1.0, 0.0, 1.0, 1.0, 0.0, 1.0]
     first = scored[trajectories[0].sample_id]
     assert first.probe_scores == [0.0, 0.5, 1.0] and first.reward_components == {"qa_em": 1.0}
+    assert first.evidence_scores == {"real": 1.0, "none": 0.0, "swapped": 0.5, "gap": 0.5}
+    assert first.trajectory.evidence.donor == "g9"
+    assert scored[trajectories[1].sample_id].evidence_scores == {"real": 0.0, "none": 1.0}
+    assert scored[trajectories[2].sample_id].evidence_scores is None
     assert scored[trajectories[2].sample_id].trajectory.kind == "eval"
     np_equal = scored[trajectories[3].sample_id].trajectory.response_ids.tolist()
     assert np_equal == trajectories[3].response_ids.tolist()
