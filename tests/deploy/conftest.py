@@ -6,9 +6,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import traceback
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,38 +50,132 @@ def _engine_missing() -> str | None:
     return None
 
 
+class ImageBuild:
+    """The private dockerd (own data root, socket and networks; pulls fail at once) with
+    `forage:cpu` built in it, all in a background thread started once tests are collected: the
+    build (local stand-ins for the base images by deploy/local-base-images.sh, then
+    deploy/build-offline.sh) is mostly downloads, unpacking and copying, so it overlaps the rest
+    of the suite, and the tests that need the image run last. Stopped and cleaned at the end of
+    the session, also on failure or interruption."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.engine: Any = None
+        self.engine_error: str | None = None
+        self.build_error: str | None = None
+        self.engine_ready = threading.Event()
+        self._cancelled = threading.Event()
+        self._child: subprocess.Popen | None = None
+        self._thread = threading.Thread(target=self._run, name="forage-image-build",
+                                        daemon=True)
+
+    def start(self) -> ImageBuild:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        dockerd = _load_helper("forage_dockerd", "dockerd.py")
+        try:  # overlay2 where the kernel and filesystem allow it: ~3x faster than vfs here
+            self.engine = dockerd.Dockerd(self.root / "overlay", storage_driver="overlay2").start()
+        except dockerd.DockerdError:
+            try:
+                self.engine = dockerd.Dockerd(self.root / "vfs", storage_driver="vfs").start()
+            except Exception as error:  # noqa: BLE001 - reported by the test that needs it
+                self.engine_error = f"{type(error).__name__}: {error}"
+        except Exception as error:  # noqa: BLE001
+            self.engine_error = f"{type(error).__name__}: {error}"
+        finally:
+            self.engine_ready.set()
+        if self.engine is None:
+            return
+        env = dict(os.environ, **self.engine.env)
+        try:
+            for argv, timeout in (
+                (["bash", str(REPO / "deploy" / "local-base-images.sh")], 1800),
+                (["bash", str(REPO / "deploy" / "build-offline.sh"), "forage:cpu"], 2400),
+            ):
+                error = self._step(argv, env, timeout)
+                if error:
+                    self.build_error = error
+                    return
+        except Exception:  # noqa: BLE001
+            self.build_error = traceback.format_exc()
+
+    def _step(self, argv: list[str], env: dict[str, str], timeout: float) -> str | None:
+        if self._cancelled.is_set():
+            return "cancelled: the test session ended first"
+        self._child = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True,
+                                       start_new_session=True)
+        try:
+            out, err = self._child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._child.kill()
+            out, err = self._child.communicate()
+            return f"{argv[1]} ran past {timeout:.0f} s\n" + out[-3000:] + err[-5000:]
+        if self._child.returncode != 0:
+            return (f"{argv[1]} failed ({self._child.returncode})\n" + out[-3000:]
+                    + err[-5000:])
+        return None
+
+    def wait(self, timeout: float = 4200.0) -> Any:
+        """The engine with `forage:cpu` in it; fails the test that asks when the build did."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            pytest.fail(f"the image build did not finish within {timeout:.0f} s")
+        if self.engine is None:
+            pytest.fail(f"the private dockerd did not start: {self.engine_error}")
+        if self.build_error:
+            pytest.fail(self.build_error)
+        return self.engine
+
+    def stop(self) -> None:
+        self._cancelled.set()
+        child = self._child
+        if child is not None and child.poll() is None:
+            try:
+                os.killpg(child.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        self._thread.join(120)
+        if self.engine is not None:
+            self.engine.stop()
+
+
+_BUILD: ImageBuild | None = None
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Tests that need `forage:cpu` go last, and its build starts now, in the background."""
+    global _BUILD
+    needs = [item for item in items if "forage_cpu_image" in getattr(item, "fixturenames", ())]
+    if not needs:
+        return
+    chosen = set(needs)
+    items[:] = [item for item in items if item not in chosen] + needs
+    if _BUILD is None and not config.option.collectonly and _engine_missing() is None:
+        root = config._tmp_path_factory.mktemp("dockerd")
+        _BUILD = ImageBuild(root).start()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    global _BUILD
+    if _BUILD is not None:
+        _BUILD.stop()
+        _BUILD = None
+
+
 @pytest.fixture(scope="session")
-def docker_engine(tmp_path_factory):
-    """A private dockerd (own data root, socket and networks; pulls fail at once), stopped and
-    cleaned at the end of the session, also on failure."""
+def forage_cpu_image():
+    """`forage:cpu` built from deploy/Dockerfile by deploy/build-offline.sh, on local stand-ins
+    for the base images the Dockerfile and docker-compose.yml name (deploy/local-base-images.sh),
+    in a private engine (ImageBuild); returns the engine."""
     reason = _engine_missing()
     if reason:
         pytest.skip(reason)
-    dockerd = _load_helper("forage_dockerd", "dockerd.py")
-    root = tmp_path_factory.mktemp("dockerd")
-    try:  # overlay2 where the kernel and filesystem allow it: ~3x faster than vfs here
-        started = dockerd.Dockerd(root / "overlay", storage_driver="overlay2").start()
-    except dockerd.DockerdError:
-        started = dockerd.Dockerd(root / "vfs", storage_driver="vfs").start()
-    try:
-        yield started
-    finally:
-        started.stop()
-
-
-@pytest.fixture(scope="session")
-def forage_cpu_image(docker_engine):
-    """`forage:cpu` built from deploy/Dockerfile by deploy/build-offline.sh, on local stand-ins
-    for the base images the Dockerfile and docker-compose.yml name (deploy/local-base-images.sh);
-    returns the engine."""
-    env = dict(os.environ, **docker_engine.env)
-    bases = subprocess.run(["bash", str(REPO / "deploy" / "local-base-images.sh")], cwd=REPO,
-                           env=env, capture_output=True, text=True, timeout=1800)
-    assert bases.returncode == 0, bases.stdout[-3000:] + bases.stderr[-5000:]
-    build = subprocess.run(["bash", str(REPO / "deploy" / "build-offline.sh"), "forage:cpu"],
-                           cwd=REPO, env=env, capture_output=True, text=True, timeout=2400)
-    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-5000:]
-    return docker_engine
+    if _BUILD is None:
+        pytest.fail("the image build was not started at collection")
+    return _BUILD.wait()
 
 
 @pytest.fixture(scope="session")
