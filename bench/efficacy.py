@@ -12,7 +12,8 @@ runs beside every demo (started and stopped here), for the "graceful under load"
 Per seed, from the demo's own files (report/summary.json, metrics.jsonl, sft/sft_result.json,
 demo.json): held-out greedy EM before and after RL, overall and per data source; searches per
 question before and after; the probe curve of correct trajectories at the 0% and 100% cuts
-(averaged over every step that probed); what the warm start reached; wall time. Then the
+(averaged over every step that probed); what the warm start reached; wall time, and per phase
+(world, policy, SFT, RL; from demo.json). Then the
 target check (median EM gain >= +15 points, minimum >= +10, searches up, probe
 rising from 0% to 100%, each demo <= 15 minutes) and, last line, `ratio: median gain / 15`.
 
@@ -112,6 +113,10 @@ def seed_row(seed: int, out: Path) -> dict[str, Any] | None:
     result = out / "sft" / "sft_result.json"
     if result.exists():
         warm = json.loads(result.read_text())
+    phases: dict[str, float] = {}
+    demo = out / "demo.json"
+    if demo.exists():
+        phases = json.loads(demo.read_text()).get("phases") or {}
     return {
         "seed": seed,
         "exit": run.get("exit"),
@@ -129,7 +134,20 @@ def seed_row(seed: int, out: Path) -> dict[str, Any] | None:
         "warm_stopped": warm.get("stopped"),
         "warm_skills": warm.get("skills"),
         "wall_s": run.get("wall_s"),
+        "phases_s": phases,
     }
+
+
+# demo.json's phases, in the order the demo runs them, as the table names them.
+PHASES = (("world_s", "world"), ("policy_s", "policy"), ("sft_s", "SFT"), ("rl_s", "RL"))
+
+
+def wall_cell(wall_s: float | None, phases: dict[str, float]) -> str:
+    """`11.2 min (world 0.4, policy 0.1, SFT 6.1, RL 4.5)`: where a demo's time went."""
+    if wall_s is None:
+        return "n/a"
+    parts = [f"{label} {phases[key] / 60:.1f}" for key, label in PHASES if key in phases]
+    return f"{wall_s / 60:.1f} min" + (f" ({', '.join(parts)})" if parts else "")
 
 
 def _pct(value: float | None) -> str:
@@ -148,7 +166,8 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     sources = sorted({s for r in rows for s in (*r["by_source_before"], *r["by_source_after"])})
     head = (["world (seed)", "EM before → after (gain)"]
             + [f"{_short(s)} before → after" for s in sources]
-            + ["searches/question", "probe, correct: 0% → 100%", "warm start", "wall"])
+            + ["searches/question", "probe, correct: 0% → 100%", "warm start",
+                  "wall (phases, min)"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         gain = r["em_delta"]
@@ -163,7 +182,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         skill_text = ", ".join(f"{k} {v:.2f}" for k, v in skills.items())
         cells.append(f"{r['warm_steps']} steps, {r['warm_stopped']}"
                      + (f" ({skill_text})" if skill_text else "") if r["warm_steps"] else "n/a")
-        cells.append("n/a" if r["wall_s"] is None else f"{r['wall_s'] / 60:.1f} min")
+        cells.append(wall_cell(r["wall_s"], r.get("phases_s") or {}))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
