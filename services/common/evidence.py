@@ -87,6 +87,26 @@ def rebuild(prompt_ids: Sequence[int], response_ids: Sequence[int], cut: int,
     return out
 
 
+def rebuild_each(prompt_ids: Sequence[int], response_ids: Sequence[int], cut: int,
+                 runs: Sequence[tuple[int, int]], replacements: Sequence[Sequence[int]],
+                 suffix: Sequence[int] = ()) -> list[int]:
+    """`rebuild` with each run before the cut replaced by its own ids (`replacements[i]` for
+    `runs[i]`): in the tool_calls protocol a replacement is a tool message rendered by the chat
+    template after its own turn (services/eval/evidence.py, `prepare_tool_calls`)."""
+    if len(replacements) < sum(1 for start, _ in runs if start < cut):
+        raise ValueError("one replacement per run before the cut is needed")
+    response = list(response_ids)
+    out = list(prompt_ids)
+    position = 0
+    for (start, end), replacement in zip(runs, replacements, strict=False):
+        if start >= cut:
+            break
+        out += response[position:start] + list(replacement)
+        position = min(end, cut)
+    out += response[position:cut] + list(suffix)
+    return out
+
+
 def variant_prompts(prompt_ids: Sequence[int], response_ids: Sequence[int],
                     runs: Sequence[tuple[int, int]], cut: int,
                     encode: Callable[[str], list[int]], swapped: str | None,

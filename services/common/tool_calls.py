@@ -75,10 +75,29 @@ class TurnParse:
         return "tool" if self.calls else "invalid"
 
 
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+
+def after_reasoning(text: str) -> str:
+    """The turn without its leading reasoning block: the text after the first `</think>` when
+    the turn opens with `<think>` (whitespace before it allowed), else the turn as it is.
+    Qwen3-style policies think before they act; what they write in the block (a draft
+    `<answer>`, a `<tool_call>` they considered) is not an action. An unclosed block (the turn
+    ran out of tokens while thinking) is not stripped: the turn is read as written."""
+    start = len(text) - len(text.lstrip())
+    if not text.startswith(THINK_OPEN, start):
+        return text
+    close = text.find(THINK_CLOSE, start + len(THINK_OPEN))
+    return text if close == -1 else text[close + len(THINK_CLOSE):]
+
+
 def parse_turn(text: str, specs: Sequence[ToolSpec]) -> TurnParse:
     """An answer wins if its `<answer>...</answer>` closes before the first `<tool_call>`
     opens; otherwise every tool-call block of the turn is parsed (an answer after a tool call
-    is ignored: the call's result was not seen yet)."""
+    is ignored: the call's result was not seen yet). A leading `<think>...</think>` block is
+    reasoning, not an action (`after_reasoning`)."""
+    text = after_reasoning(text)
     answer = _ANSWER.search(text)
     first_call = text.find(TOOL_CALL_OPEN)
     if answer is not None and (first_call == -1 or answer.end() <= first_call):
@@ -267,8 +286,9 @@ def final_answer(text: str) -> str | None:
     rollout reads it (`parse_turn`: an `<answer>...</answer>` that closes before the turn's
     first `<tool_call>`), stripped; None when the last turn did not answer. Earlier turns and
     tool results are never read (a passage quoting `<answer>X</answer>` is not the policy's).
-    Linear in the text, as the scorer's tag scans are (services/scorer/rewards/text.py)."""
-    turn = split_response(text).assistant[-1]
+    Linear in the text, as the scorer's tag scans are (services/scorer/rewards/text.py). A
+    leading `<think>...</think>` block is reasoning: an answer drafted in it is not read."""
+    turn = after_reasoning(split_response(text).assistant[-1])
     found = _first_block(turn, "<answer>", "</answer>")
     if found is None:
         return None

@@ -2,7 +2,8 @@
 
     forage eval --model DIR [--model DIR ...] --data FILE [--data FILE ...]
                 --mode direct|rag|agent [--mode ...] [--index DIR | --retriever-url URL]
-                --out OUT [--retrieval live|record|replay] [--limit N] ...
+                --out OUT [--retrieval live|record|replay] [--protocol tags|tool_calls]
+                [--limit N] ...
 
 Writes OUT/eval.json, OUT/eval.md and OUT/samples.jsonl (docs/eval.md). Torch and the engine
 are imported by the handler only, so `forage eval --help` stays quick. A user mistake is one
@@ -83,6 +84,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     add("--top-k", type=int, default=0,
         help="top-k sampling when --temperature > 0 (0: off)")
     add("--seed", type=int, default=0, help="sampling seed")
+    add("--protocol", choices=("tags", "tool_calls"), default="tags",
+        help="agent rows: tags (Search-R1's <search>/<answer>, default) or tool_calls (the "
+             "search tool through the model's chat template, docs/rollout.md)")
     add("--evidence-probe", action="store_true",
         help="agent rows: force each searching trajectory's answer after its information "
              "blocks real, empty and swapped for another question's (docs/eval.md)")
@@ -111,7 +115,8 @@ def _handle(args: argparse.Namespace) -> int:
         max_obs_length=args.max_obs_length, max_response_length=args.max_response_length,
         max_prompt_length=args.max_prompt_length, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, batch_size=args.batch_size,
-        evidence_probe=args.evidence_probe, evidence_samples=args.evidence_samples or 3)
+        evidence_probe=args.evidence_probe, evidence_samples=args.evidence_samples or 3,
+        protocol=args.protocol)
     request = EvalRequest(models=args.model, data=args.data, modes=modes, out=args.out,
                           index=args.index, retriever_url=args.retriever_url,
                           retrieval=args.retrieval, store=args.store,

@@ -30,6 +30,7 @@ from services.eval.retrieval import (
     replay_identity,
 )
 from services.eval.runner import EvalSettings, Row, play_row
+from services.rollout.tools import TemplateError
 from services.tasks.datasets import DatasetError
 
 RETRIEVAL_MODES = ("live", "record", "replay")
@@ -151,6 +152,9 @@ def run(request: EvalRequest) -> dict[str, Any]:
         raise EvalError(str(exc)) from None
     if request.settings.evidence_probe and "agent" not in request.modes:
         raise EvalError("--evidence-probe probes agent trajectories: add --mode agent")
+    if request.settings.protocol not in ("tags", "tool_calls"):
+        raise EvalError(f"--protocol must be tags or tool_calls, got "
+                        f"{request.settings.protocol!r}")
     models = _check_models(request.models)
     needs_search = any(mode in ("rag", "agent") for mode in request.modes)
     try:
@@ -198,6 +202,8 @@ def run(request: EvalRequest) -> dict[str, Any]:
                              backend, index_id, writer.write, donor_of)
                 except RetrievalError as exc:
                     raise EvalError(str(exc)) from None
+                except TemplateError as exc:  # --protocol tool_calls on a template it cannot use
+                    raise EvalError(f"--protocol tool_calls with --model {model}: {exc}") from None
             del engine
     finally:
         writer.close()

@@ -31,6 +31,14 @@ searches (a second query may name a bridge entity it read in the first block) st
 The swapped passages are retrieved for the donor question's text through the evaluation's own
 backend: recorded with `--retrieval record`, answered from the store with `--retrieval replay`,
 so a replayed probe is exact.
+
+`--protocol tool_calls` (`prepare_tool_calls`): the evidence is the tokens the loop inserted
+after each search call that retrieved (the rest of the assistant turn's closer, the `tool`
+message, the next assistant header). Each is replaced by the same chat template's rendering of
+a `search` tool message whose content is empty (`none`) or the donor's passages (`swapped`,
+the `Doc i(Title: ...)` lines the search tool returns), cut to `max_obs_length` tokens as the
+loop cuts tool results. The rewrite stops at `</answer>`, `</tool_call>` (a call instead of an
+answer scores 0) or the template's end of turn, and is scored as one tool_calls assistant turn.
 """
 
 from __future__ import annotations
@@ -50,10 +58,11 @@ from services.common.evidence import (  # noqa: F401 (this module's public names
     evidence_cut,
     information_runs,
     rebuild,
+    rebuild_each,
     swapped_block,
     variant_prompts,
 )
-from services.common.formats import probe_rule
+from services.common.formats import passages_to_string, probe_rule
 from services.common.trajectory import Trajectory
 from services.eval.stats import mean, score_response
 from services.rollout.probe import reasoning_span
@@ -99,17 +108,85 @@ def prepare(tokenizer: Any, trajectory: Trajectory, swapped: str | None,
     return Prepared(prompts)
 
 
+@dataclass(frozen=True)
+class ToolChat:
+    """What the tool_calls variant needs of the agent loop: its chat template
+    (services.rollout.tools.ChatTurns) and the stop strings of a turn."""
+
+    turns: Any
+    stops: tuple[str, ...]
+    stop_ids: tuple[int, ...] = ()
+
+
+def swapped_result(found: Any) -> str | None:
+    """A donor's passages as the search tool's result (the agent loop's text); None for a
+    rejected query."""
+    return passages_to_string(found).strip() if isinstance(found, list) else None
+
+
+def prepare_tool_calls(chat: ToolChat, trajectory: Trajectory,
+                       messages: Sequence[Mapping[str, Any]], swapped: str | None,
+                       max_obs_length: int) -> Prepared | None:
+    """The probe prompts of one tool_calls trajectory (see the module doc), or None when it
+    retrieved nothing to replace. `messages`: the prompt messages it was played from (the
+    context the template renders tool messages after)."""
+    tokenizer = chat.turns.tokenizer
+    response = [int(t) for t in trajectory.response_ids]
+    runs = information_runs(trajectory.turns, len(response))
+    if trajectory.num_searches == 0 or not runs:
+        return None
+    rule = probe_rule(trajectory.data_source, protocol="tool_calls")
+    span = reasoning_span(tokenizer, response, [int(m) for m in trajectory.loss_mask], rule)
+    cut = evidence_cut(runs, span.end)
+    if cut is None:
+        return None
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    closer = chat.turns.closer
+    # The turn before each run: did it end on the end-of-turn token itself (then the template's
+    # closer is not inserted again), as the loop decides from the engine's finish.
+    ends = []
+    for turn in trajectory.turns:
+        last = response[turn.end - 1] if turn.end > turn.start else None
+        text = (tokenizer.decode([last], skip_special_tokens=False)
+                if last is not None and last in special else "")
+        ends.append((turn.end, text if text and closer.startswith(text) else ""))
+    end_of = dict(ends)
+
+    def rendered(content: str, run_start: int) -> list[int]:
+        ids = tokenizer.encode(content, add_special_tokens=False)
+        if len(ids) > max_obs_length:
+            content = tokenizer.decode(ids[:max_obs_length], skip_special_tokens=False)
+        return chat.turns.inserted_ids(messages, [{"role": "tool", "name": "search",
+                                                   "content": content}],
+                                       end_of.get(run_start, ""))
+
+    prompt = [int(t) for t in trajectory.prompt_ids]
+    before = [run for run in runs if run[0] < cut]
+    prompts: dict[str, list[int] | None] = {
+        "real": rebuild_each(prompt, response, cut, before, [response[a:b] for a, b in before]),
+        "none": rebuild_each(prompt, response, cut, before,
+                             [rendered("", start) for start, _ in before]),
+        "swapped": None if swapped is None else rebuild_each(
+            prompt, response, cut, before, [rendered(swapped, start) for start, _ in before]),
+    }
+    return Prepared(prompts)
+
+
 def force_answers(engine: Any, prepared: Mapping[str, Prepared], ground_truth: Mapping[str, Any],
-                  settings: EvidenceSettings) -> dict[str, dict[str, list[float]]]:
+                  settings: EvidenceSettings,
+                  chat: ToolChat | None = None) -> dict[str, dict[str, list[float]]]:
     """Sample `settings.samples` final turns per variant of each prepared trajectory and score
     each with the evaluation's EM (the last `<answer>` it wrote; none: 0). Keys: question
-    ids."""
+    ids. `chat` (tool_calls): the turn stops at the protocol's stops too and is read as one
+    assistant turn, special tokens kept (a tool call instead of an answer scores 0)."""
     from services.rollout.engine import GenerationRequest, SamplingParams, run_to_completion
 
+    stops = EVIDENCE_STOPS if chat is None else tuple(dict.fromkeys(("</answer>", *chat.stops)))
+    protocol = "tags" if chat is None else "tool_calls"
     requests, where = [], []
     for qid, item in prepared.items():
         params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=settings.max_tokens,
-                                stop=EVIDENCE_STOPS)
+                                stop=stops, stop_token_ids=() if chat is None else chat.stop_ids)
         for variant in VARIANTS:
             ids = item.prompts[variant]
             if ids is None:
@@ -122,8 +199,8 @@ def force_answers(engine: Any, prepared: Mapping[str, Prepared], ground_truth: M
         qid: {v: [] for v in VARIANTS if item.prompts[v] is not None}
         for qid, item in prepared.items()}
     for (qid, variant), output in zip(where, run_to_completion(engine, requests), strict=True):
-        text = engine.tokenizer.decode(output.token_ids, skip_special_tokens=True)
-        scores[qid][variant].append(score_response(text, ground_truth[qid])["em"])
+        text = engine.tokenizer.decode(output.token_ids, skip_special_tokens=chat is None)
+        scores[qid][variant].append(score_response(text, ground_truth[qid], protocol)["em"])
     return scores
 
 

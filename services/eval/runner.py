@@ -8,6 +8,11 @@ how fast the retriever answered, so a replayed run sees exactly the batches, and
 exactly the tokens, of the run it replays. `direct` and `rag` are single-turn plays of the same
 loop (no search executed, the turn stops at `</answer>`). Every question is written as soon as
 it finishes, which is what makes an interrupted run resumable.
+
+`protocol` "tool_calls" (`--protocol`): `agent` rows play the rollout's tool-call protocol
+(docs/rollout.md, "Tool calls") with the `search` tool and `prompts.TOOL_AGENT_TEMPLATE`, and
+their responses are scored as the scorer scores tool_calls trajectories (decoded with special
+tokens kept, the last assistant turn's answer); `direct` and `rag` stay single-turn tag plays.
 """
 
 from __future__ import annotations
@@ -20,18 +25,22 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from services.common.formats import doc_refs
+from services.common.tool_calls import observation_text
 from services.common.trajectory import PromptGroup, ScoredTrajectory, Trajectory
 from services.eval.data import Question
 from services.eval.errors import attribute_error, split_passages
 from services.eval.evidence import (
     NO_SEARCH,
     EvidenceSettings,
+    ToolChat,
     force_answers,
     information_runs,
     prepare,
+    prepare_tool_calls,
     swapped_block,
+    swapped_result,
 )
-from services.eval.prompts import direct_prompt, rag_prompt
+from services.eval.prompts import direct_prompt, rag_prompt, tool_agent_prompt
 from services.eval.retrieval import Backend
 from services.eval.stats import score_response
 from services.rollout.retrieval import QueryRejected, RetrieverError
@@ -59,15 +68,24 @@ class EvalSettings:
     batch_size: int = 32
     evidence_probe: bool = False
     evidence_samples: int = 3
+    protocol: str = "tags"  # of agent rows: "tags" (Search-R1's) or "tool_calls"
 
     def as_dict(self) -> dict[str, Any]:
-        """The config's settings. The probe's fields appear only when it is on, so an output
-        directory written before the probe existed still resumes."""
+        """The config's settings. The probe's fields appear only when it is on, and the
+        protocol only when it is not `tags`, so an output directory written before they
+        existed still resumes."""
         out = asdict(self)
         if not self.evidence_probe:
             out.pop("evidence_probe")
             out.pop("evidence_samples")
+        if self.protocol == "tags":
+            out.pop("protocol")
         return out
+
+
+def tool_mode(settings: EvalSettings, mode: str) -> bool:
+    """Whether a row of `mode` plays the tool_calls protocol (agent rows only)."""
+    return mode == "agent" and settings.protocol == "tool_calls"
 
 
 @dataclass(frozen=True)
@@ -84,6 +102,14 @@ def _loop_settings(settings: EvalSettings, mode: str) -> Any:
     from services.rollout.agent import LoopSettings
 
     agent = mode == "agent"
+    if tool_mode(settings, mode):
+        return LoopSettings(
+            max_turns=settings.max_turns, max_tokens_per_turn=settings.max_tokens_per_turn,
+            max_obs_length=settings.max_obs_length,
+            max_response_length=settings.max_response_length,
+            max_prompt_length=settings.max_prompt_length, use_search=True,
+            temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
+            scheduling="lockstep", protocol="tool_calls", tools=("search",))
     return LoopSettings(
         max_turns=settings.max_turns, max_tokens_per_turn=settings.max_tokens_per_turn,
         max_obs_length=settings.max_obs_length, max_response_length=settings.max_response_length,
@@ -101,8 +127,11 @@ def sample_line(row: Row, question: Question, trajectory: Trajectory, tokenizer:
     from services.learner.samples import sample_row
 
     ids = [int(t) for t in trajectory.response_ids]
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    scores = score_response(text, question.ground_truth)
+    # As the scorer's `response_text`: a tool_calls response keeps the template's markers,
+    # whose turns the answer rule splits (services/common/tool_calls.py).
+    protocol = trajectory.protocol
+    text = tokenizer.decode(ids, skip_special_tokens=protocol != "tool_calls")
+    scores = score_response(text, question.ground_truth, protocol)
     scored = ScoredTrajectory(trajectory, reward=scores["em"], reward_components=scores)
     line = sample_row(scored, tokenizer, step=row.number, kind="eval")
     line.pop("time", None)
@@ -130,6 +159,10 @@ def retrieved_passages(trajectory: Trajectory, tokenizer: Any) -> list[str]:
     """Every passage the trajectory's searches retrieved, decoded in full from its own
     observation tokens (the samples line keeps a clipped observation only)."""
     ids = [int(t) for t in trajectory.response_ids]
+    if trajectory.protocol == "tool_calls":  # the tool messages, without the template's markers
+        return [passage for start, end in information_runs(trajectory.turns, len(ids))
+                for passage in split_passages(observation_text(
+                    tokenizer.decode(ids[start:end], skip_special_tokens=False)))]
     return [passage for start, end in information_runs(trajectory.turns, len(ids))
             for passage in split_passages(tokenizer.decode(ids[start:end],
                                                            skip_special_tokens=True))]
@@ -177,18 +210,25 @@ def _retrieve_donors(backend: Backend | None, texts: list[str]) -> dict[str, Any
 
 def probe_evidence(engine: Any, played: list[tuple[dict[str, Any], Trajectory, Question]],
                    donor_of: dict[str, Question], backend: Backend | None,
-                   settings: EvalSettings) -> None:
+                   settings: EvalSettings, chat: ToolChat | None = None) -> None:
     """Add each line's `evidence` field (services/eval/evidence.py): the forced answers'
-    EM per variant and sample, or why it was skipped."""
+    EM per variant and sample, or why it was skipped. `chat`: the tool_calls protocol's
+    template (evidence replaced by rendered tool messages)."""
     searched = [(line, t, q) for line, t, q in played if t.num_searches > 0]
     found = _retrieve_donors(backend, [donor_of[q.qid].question for _, _, q in searched
                                        if q.qid in donor_of])
     prepared, golds = {}, {}
     for line, trajectory, question in played:
         donor = donor_of.get(question.qid)
-        block = swapped_block(found.get(donor.question)) if donor is not None else None
-        item = (prepare(engine.tokenizer, trajectory, block, settings.max_obs_length)
-                if trajectory.num_searches > 0 else None)
+        if chat is not None:
+            block = swapped_result(found.get(donor.question)) if donor is not None else None
+            item = (prepare_tool_calls(chat, trajectory, tool_agent_prompt(question.question),
+                                       block, settings.max_obs_length)
+                    if trajectory.num_searches > 0 else None)
+        else:
+            block = swapped_block(found.get(donor.question)) if donor is not None else None
+            item = (prepare(engine.tokenizer, trajectory, block, settings.max_obs_length)
+                    if trajectory.num_searches > 0 else None)
         if item is None:
             line["evidence"] = {"skipped": NO_SEARCH}
             continue
@@ -197,7 +237,8 @@ def probe_evidence(engine: Any, played: list[tuple[dict[str, Any], Trajectory, Q
                             else None}
     scores = force_answers(engine, prepared, golds,
                            EvidenceSettings(samples=settings.evidence_samples,
-                                            max_tokens=settings.max_tokens_per_turn))
+                                            max_tokens=settings.max_tokens_per_turn),
+                           chat)
     for line, _, question in played:
         if question.qid in scores:
             line["evidence"].update(scores[question.qid])
@@ -226,7 +267,9 @@ def play_row(engine: Any, row: Row, questions: Sequence[Question], total: int,
             chunk = list(questions[start:start + settings.batch_size])
             prompts: list[Any] = [q.agent_prompt for q in chunk]
             rag_docs: dict[str, list[dict[str, str]]] = {}
-            if row.mode == "direct":
+            if tool_mode(settings, row.mode):
+                prompts = [tool_agent_prompt(q.question) for q in chunk]
+            elif row.mode == "direct":
                 prompts = [direct_prompt(q.question) for q in chunk]
             elif row.mode == "rag":
                 assert backend is not None
@@ -268,7 +311,9 @@ def play_row(engine: Any, row: Row, questions: Sequence[Question], total: int,
             loop.run(groups, on_group_done=done)
             if probing and played:
                 assert donor_of is not None
-                probe_evidence(engine, played, donor_of, backend, settings)
+                chat = (ToolChat(loop.chat, loop.tool_stops, loop.tool_stop_ids)
+                        if tool_mode(settings, row.mode) and loop.chat is not None else None)
+                probe_evidence(engine, played, donor_of, backend, settings, chat)
                 write([line for line, _, _ in played])
             progress.show(final=start + settings.batch_size >= len(questions))
     finally:

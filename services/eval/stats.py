@@ -3,7 +3,10 @@
 Per question the scores are the scorer's own rules (services/scorer/rewards/qa.py, Search-R1's
 normalisation): EM and sub-EM ("cover EM": a normalised gold answer occurs inside the
 normalised prediction) and SQuAD token F1, all on the last `<answer>...</answer>` of the
-response; a response without one scores 0 on all three, as in training.
+response; a response without one scores 0 on all three, as in training. A `tool_calls`
+response (`--protocol tool_calls`) is read as the scorer reads it: decoded with the chat
+template's special tokens kept, its answer is the last assistant turn's
+(services.common.tool_calls.final_answer), never an `<answer>` quoted in a tool result.
 
 Intervals are 95%:
 - EM and sub-EM are proportions: the Wilson score interval, which stays inside [0, 1] and
@@ -29,11 +32,13 @@ BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0
 
 
-def score_response(response: str, ground_truth: Any) -> dict[str, float]:
-    """EM, sub-EM and F1 of one decoded response, exactly as the scorer computes them."""
-    return {"em": float(qa_em(response, ground_truth)),
-            "subem": float(qa_subem(response, ground_truth)),
-            "f1": float(qa_f1(response, ground_truth))}
+def score_response(response: str, ground_truth: Any, protocol: str = "tags") -> dict[str, float]:
+    """EM, sub-EM and F1 of one decoded response, exactly as the scorer computes them.
+    `protocol` "tool_calls": `response` must be decoded with special tokens kept (the turn
+    markers), as the scorer's `response_text` decodes it."""
+    return {"em": float(qa_em(response, ground_truth, protocol=protocol)),
+            "subem": float(qa_subem(response, ground_truth, protocol=protocol)),
+            "f1": float(qa_f1(response, ground_truth, protocol=protocol))}
 
 
 def mean(values: Sequence[float]) -> float:

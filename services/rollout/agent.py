@@ -172,6 +172,9 @@ class AgentLoop:
         self.chat: ChatTurns | None = None
         self.toolbox: Toolbox | None = None
         self.runner: ToolRunner | None = None
+        self._end_id: int | None = None
+        self._tool_stops: tuple[str, ...] = ()
+        self._tool_stop_ids: tuple[int, ...] = ()
         if self.tool_mode:
             # User functions are loaded and MCP servers listed here, at replica start: a bad
             # entry stops the replica with a one-line ToolLoadError naming it.
@@ -181,11 +184,30 @@ class AgentLoop:
             self._tool_names = frozenset(self.toolbox.names)
             self.chat = ChatTurns(self.tokenizer, self.tool_specs)
             stops = [TOOL_CALL_CLOSE]
+            stop_ids: list[int] = []
             eos_ids = getattr(engine, "eos_ids", frozenset())
             end = self.chat.end_of_turn
-            if end is not None and self.tokenizer.convert_tokens_to_ids(end) not in eos_ids:
-                stops.append(end)  # the template's end of turn is not the model's EOS
-            self._tool_stops: tuple[str, ...] = tuple(stops)
+            if end is not None:
+                self._end_id = int(self.tokenizer.convert_tokens_to_ids(end))
+                if self._end_id not in eos_ids:
+                    # The template's end of turn is not the model's EOS: stop on its id (vLLM
+                    # matches stop strings on text without special tokens) and on its text.
+                    stops.append(end)
+                    stop_ids.append(self._end_id)
+            self._tool_stops = tuple(stops)
+            self._tool_stop_ids = tuple(stop_ids)
+
+    @property
+    def tool_stops(self) -> tuple[str, ...]:
+        """Stop strings of a tool_calls turn: `</tool_call>`, and the template's end of turn
+        when it is not the model's EOS (empty in the tags protocol)."""
+        return self._tool_stops if self.tool_mode else ()
+
+    @property
+    def tool_stop_ids(self) -> tuple[int, ...]:
+        """Stop token ids of a tool_calls turn: the template's end-of-turn id when it is not
+        the model's EOS (empty otherwise and in the tags protocol)."""
+        return self._tool_stop_ids if self.tool_mode else ()
 
     # ------------------------------------------------------------------ prompts
 
@@ -226,6 +248,7 @@ class AgentLoop:
             top_k=int(overrides.get("top_k", s.top_k)),
             max_tokens=s.max_tokens_per_turn,
             stop=self._tool_stops if self.tool_mode else s.stop_strings,
+            stop_token_ids=self.tool_stop_ids,
         )
         return params, int(overrides.get("max_turns", s.max_turns))
 
@@ -392,6 +415,7 @@ class AgentLoop:
             top_k=state.params.top_k,
             max_tokens=min(self.settings.max_tokens_per_turn, budget),
             stop=state.params.stop,
+            stop_token_ids=state.params.stop_token_ids,
         )
         request = GenerationRequest(
             state.prompt_ids + state.response, params, tag=("turn", state), cache_key=id(state)
@@ -513,8 +537,11 @@ class AgentLoop:
             self._start_probe(state)
             return state
         state.rounds += 1
-        # The end-of-turn token the policy generated itself is not inserted again.
-        last = output.token_ids[-1:] if output.finish == "eos" else []
+        # The end-of-turn token the policy generated itself is not inserted again (EOS, a stop
+        # token id, or the end of turn matched as a stop string).
+        ended = output.finish == "eos" or (
+            output.token_ids and output.token_ids[-1] == self._end_id)
+        last = output.token_ids[-1:] if ended else []
         state.turn_end = self.tokenizer.decode(last, skip_special_tokens=False) if last else ""
         if action == "invalid":
             self._insert_turn(state, [{"role": "user", "content": TOOL_CORRECTIVE_MESSAGE}],
@@ -708,7 +735,7 @@ class AgentLoop:
         prompts = probe_prompts(state.prompt_ids, state.response, cuts, suffixes)
         params = SamplingParams(
             temperature=1.0, top_p=1.0, max_tokens=settings.mc_max_tokens,
-            stop=probe_stops(rule.suffix),
+            stop=probe_stops(rule.suffix), stop_token_ids=self.tool_stop_ids,
         )
         state.probe = Probe(
             fractions=settings.fractions, samples=[[] for _ in range(len(prompts))]

@@ -30,6 +30,11 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     max_tokens: int = 256
     stop: Sequence[str] = ()
+    # Token ids that end the request as EOS does (finish "eos"), beside the model's own EOS:
+    # a chat template's end of turn that is not the tokenizer's EOS (<|im_end|> with a base
+    # model's tokenizer). vLLM matches stop strings on text decoded without special tokens,
+    # where such a token never shows, so it must be stopped on by id.
+    stop_token_ids: Sequence[int] = ()
     # Ignore EOS (used by benchmarks that must produce an exact number of tokens).
     ignore_eos: bool = False
 

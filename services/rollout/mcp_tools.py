@@ -11,6 +11,12 @@ entered and left by the same task; calls run as other tasks on the same session.
 fails because the connection is gone (the server died, the HTTP endpoint went away) marks the
 connection dead; the next attempt (a retry, or a later call) connects again: a new subprocess
 for stdio, a new session for HTTP. The tool list is read once, at replica start.
+
+A `url` server's `headers` (auth: `Authorization: Bearer ${MCP_TOKEN}`) are expanded from the
+environment once, when the hub is built (an unset variable stops the replica, naming the
+variable, never a value), and go with every request through an httpx client of the SDK's own
+making (`create_mcp_http_client`, its default timeouts) handed to `streamable_http_client`.
+The expanded values live only in the connection; nothing logs them.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from concurrent.futures import Future
 from contextlib import AsyncExitStack
 from typing import Any
 
-from services.common.config.rollout import McpServer
+from services.common.config.rollout import McpServer, expand_headers
 from services.rollout.tool_runner import BACKOFF_S, Outcome, ToolLoadError, result_text
 
 log = logging.getLogger("forage.rollout.mcp")
@@ -35,6 +41,7 @@ try:
     from mcp.client.session import ClientSession
     from mcp.client.stdio import StdioServerParameters, stdio_client
     from mcp.client.streamable_http import streamable_http_client
+    from mcp.shared._httpx_utils import create_mcp_http_client
     from mcp.shared.exceptions import MCPError
 except ImportError as _exc:  # the optional extra
     _MISSING: str | None = f"{type(_exc).__name__}: {_exc}"
@@ -49,8 +56,10 @@ class ConnectionLost(Exception):
 class _Connection:
     """One server's transport + session, (re)opened on demand inside the hub's event loop."""
 
-    def __init__(self, server: McpServer) -> None:
+    def __init__(self, server: McpServer, headers: dict[str, str] | None = None) -> None:
         self.server = server
+        # expanded from the environment (credentials): kept here only, never logged
+        self._headers = dict(headers or {})
         self.session: Any = None
         self._holder: asyncio.Task | None = None
         self._dead: asyncio.Event | None = None
@@ -87,10 +96,13 @@ class _Connection:
             except (asyncio.TimeoutError, asyncio.CancelledError, Exception):  # noqa: BLE001
                 self._holder.cancel()
 
-    def _transport(self) -> Any:
+    def __repr__(self) -> str:  # no header values in any repr
+        return f"_Connection({self.server.name!r}, headers={sorted(self._headers)})"
+
+    def _transport(self, http_client: Any = None) -> Any:
         server = self.server
         if server.url:
-            return streamable_http_client(server.url)
+            return streamable_http_client(server.url, http_client=http_client)
         params = StdioServerParameters(command=server.command, args=list(server.args),
                                        env=dict(server.env) or None)
         # The server's stderr (its logs) goes nowhere: a chatty server must not fill the
@@ -103,7 +115,12 @@ class _Connection:
         self._dead = dead = asyncio.Event()
         try:
             async with AsyncExitStack() as stack:
-                streams = await stack.enter_async_context(self._transport())
+                client = None
+                if self.server.url and self._headers:
+                    # a client the transport does not own: this stack closes it, after it
+                    client = await stack.enter_async_context(
+                        create_mcp_http_client(headers=self._headers))
+                streams = await stack.enter_async_context(self._transport(client))
                 session = await stack.enter_async_context(ClientSession(streams[0], streams[1]))
                 await session.initialize()
                 self.session = session
@@ -115,6 +132,20 @@ class _Connection:
                 ready.set_exception(ConnectionLost(_reason(exc)))
         finally:
             self.session = None
+
+
+def _headers(server: McpServer, index: int,
+             environ: Any = None) -> dict[str, str]:
+    """A server's headers with their `${NAME}` references expanded from the environment;
+    ToolLoadError naming the unset variables (never a value)."""
+    expanded, missing = expand_headers(server.headers, os.environ if environ is None else environ)
+    if missing:
+        names = sorted(name for name, value in server.headers.items()
+                       if any("${" + variable + "}" in value for variable in missing))
+        raise ToolLoadError(f"rollout.mcp_servers[{index}] ({server.name}): header(s) "
+                            f"{', '.join(names)} need the environment variable(s) "
+                            f"{', '.join(missing)}, which are not set")
+    return expanded
 
 
 def _reason(exc: BaseException) -> str:
@@ -146,7 +177,8 @@ class McpHub:
         if _MISSING is not None:
             raise ToolLoadError("rollout.mcp_servers needs the mcp package: pip install -e "
                                 f"'.[mcp]' (or pip install mcp) ({_MISSING})")
-        self.connections = {server.name: _Connection(server) for server in servers}
+        self.connections = {server.name: _Connection(server, _headers(server, index))
+                            for index, server in enumerate(servers)}
         if len(self.connections) != len(servers):
             raise ToolLoadError("rollout.mcp_servers: two servers have the same name")
         self.loop = asyncio.new_event_loop()

@@ -9,6 +9,13 @@ ChatML) the policy did not generate itself because generation stopped at `</tool
 that text is encoded, on its own, and appended after the generated ids, so the ids trained on
 are exactly prompt ids + generated ids + inserted ids.
 
+Templates with thinking blocks (Qwen3's) render an assistant message differently depending on
+what follows it: the last one gets `<think>\n\n</think>\n\n` before its content, an earlier one
+keeps or drops its reasoning depending on where the last user message is. Only the prompt
+messages before the assistant turn and the text after its content are compared and used: the
+assistant turn itself is never rendered into the ids (its generated tokens stand for it, think
+block included, as generated), so how the template would re-render it does not matter.
+
 `run_calculator` runs the synchronous tool; `search` calls are batched by the agent loop through
 the existing RetrieverClient (services.rollout.agent).
 """
@@ -82,21 +89,33 @@ class ChatTurns:
 
         `context` is the conversation before the assistant turn (the prompt messages). The
         assistant turn is rendered with a placeholder content: only what comes after it is
-        used, so its content never matters and is never re-tokenised. `generated_end` is the
-        text of the turn's last generated token when the turn ended on the end-of-turn token
-        itself (EOS), so that it is not inserted twice.
+        used, so its content never matters and is never re-tokenised, and neither does how the
+        template opens it (an empty `<think>` block on the last assistant message, Qwen3's).
+        What is checked: the prompt messages render the same whether or not the new messages
+        follow, and the assistant turn is closed the same way. `generated_end` is the text of
+        the turn's last generated token when the turn ended on the end-of-turn token itself
+        (EOS or a stop token id), so that it is not inserted twice.
         """
         before = [*context, self._assistant()]
         without = self.render(before, False)
         with_new = self.render([*before, *new_messages], True)
-        if not with_new.startswith(without):
+        head = self.render(context, False) if context else ""
+        ends = (without.rfind(PLACEHOLDER), with_new.rfind(PLACEHOLDER))
+        role = new_messages[0].get("role") if new_messages else None
+        if -1 in ends:
+            raise TemplateError("the chat template drops the assistant message's content; the "
+                                "turn cannot be appended by token concatenation")
+        closed, tail = (without[ends[0] + len(PLACEHOLDER):],
+                        with_new[ends[1] + len(PLACEHOLDER):])
+        if not (without.startswith(head) and with_new.startswith(head)
+                and tail.startswith(closed)):
             raise TemplateError("the chat template renders earlier turns differently once a "
-                                f"{new_messages[0].get('role')!r} message follows; the turn "
-                                "cannot be appended by token concatenation")
-        closer = self.closer
-        if generated_end and closer.startswith(generated_end):
-            closer = closer[len(generated_end):]
-        return closer + with_new[len(without):]
+                                f"{role!r} message follows; the turn cannot be appended by "
+                                "token concatenation")
+        after = tail[len(closed):]  # the new messages and the next assistant header
+        if generated_end and closed.startswith(generated_end):
+            closed = closed[len(generated_end):]
+        return closed + after
 
     def inserted_ids(self, context: Sequence[Mapping[str, Any]],
                      new_messages: Sequence[Mapping[str, Any]], generated_end: str = "") -> list[int]:

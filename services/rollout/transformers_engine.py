@@ -390,8 +390,8 @@ class TransformersEngine:
     def _finish_cause(self, row: _Running, token: int) -> GenerationOutput | None:
         params = row.request.params
         cause, stop_hit = None, None
-        if not params.ignore_eos and token in self.eos_ids:
-            cause = "eos"
+        if (not params.ignore_eos and token in self.eos_ids) or token in params.stop_token_ids:
+            cause = "eos"  # a stop token id ends the turn as EOS does (vLLM's mapping too)
         elif params.stop:
             triggers = self._triggers(tuple(params.stop))
             if triggers is None or token in triggers:

@@ -51,6 +51,9 @@ from services.rollout.engine import (
     GenerationRequest,
     run_to_completion,
 )
+from services.rollout.engine import (
+    SamplingParams as EngineSamplingParams,
+)
 from services.rollout.vllm_lora import (
     AdapterSlot,
     AdapterVersions,
@@ -194,6 +197,29 @@ def map_completion(
     return MappedCompletion(cause, ids, values, stop_string=stop_string)
 
 
+def sampling_kwargs(p: EngineSamplingParams) -> dict[str, Any]:
+    """vLLM `SamplingParams` keyword arguments of Forage's sampling (plain values, tested
+    without vLLM). vLLM detokenizes by default and matches stop strings on that text, decoded
+    without special tokens: a stop string such as `<|im_end|>` never appears in it, so the
+    template's end-of-turn token travels in `stop_token_ids` (vLLM then finishes with "stop"
+    and the token id as `stop_reason`, which `map_completion` reads as EOS, and keeps the token
+    in the output ids, as for the model's own EOS)."""
+    kwargs: dict[str, Any] = {
+        "n": 1,
+        "temperature": p.temperature,
+        "top_p": p.top_p,
+        "top_k": p.top_k if p.top_k > 0 else -1,
+        "max_tokens": p.max_tokens,
+        "stop": list(p.stop) or None,
+        "include_stop_str_in_output": True,
+        "ignore_eos": p.ignore_eos,
+        "logprobs": 0,  # the sampled token's own log-prob only
+    }
+    if p.stop_token_ids:
+        kwargs["stop_token_ids"] = sorted({int(t) for t in p.stop_token_ids})
+    return kwargs
+
+
 def plain_logprobs(entries: Iterable[Mapping[int, Any]] | None) -> list[dict[int, float]] | None:
     """vLLM's per-token {token_id: Logprob} entries as {token_id: float}."""
     if entries is None:
@@ -292,18 +318,7 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        p = request.params
-        params = SamplingParams(
-            n=1,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k if p.top_k > 0 else -1,
-            max_tokens=p.max_tokens,
-            stop=list(p.stop) or None,
-            include_stop_str_in_output=True,
-            ignore_eos=p.ignore_eos,
-            logprobs=0,  # the sampled token's own log-prob only
-        )  # vLLM detokenizes by default: stop strings are matched on the text
+        params = SamplingParams(**sampling_kwargs(request.params))
         self.llm_engine.add_request(key, TokensPrompt(prompt_token_ids=list(request.prompt_ids)),
                                     params, lora_request=lora_request)
 

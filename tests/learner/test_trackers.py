@@ -104,6 +104,10 @@ def test_pure_helpers():
     assert redact({"a": {"weight_sync_token": "x", "n": 1}, "u": ["redis://u:p@h/0"]}) == \
         {"a": {"weight_sync_token": "***", "n": 1}, "u": ["redis://***@h/0"]}
     assert redact({"weight_sync_token": None}) == {"weight_sync_token": None}
+    server = {"name": "kb", "url": "http://kb:8000/mcp",
+              "headers": {"Authorization": "Bearer literal-secret", "X-Tenant": "t1"}}
+    assert redact({"rollout": {"mcp_servers": [server]}}) == {"rollout": {"mcp_servers": [
+        {"name": "kb", "url": "http://kb:8000/mcp", "headers": "***"}]}}
 
 
 def test_every_tracker_writes_real_files_and_resume_continues(tmp_path, caplog):

@@ -6,6 +6,8 @@ on loopback, through the real agent loop and tiny policy (turns scripted with th
 from __future__ import annotations
 
 import json
+import logging
+import os
 import socket
 import subprocess
 import sys
@@ -81,34 +83,39 @@ def test_stdio_server_in_the_loop_and_a_server_that_dies(engine):
     assert stats["lookup"]["failures"] == 0
 
 
+class HttpServer:
+    """The test server over streamable HTTP on loopback; `start()` again after `kill()`.
+    `env`: added to its environment (FORAGE_TEST_MCP_TOKEN makes it require a bearer token)."""
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/mcp"
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, SERVER, "http", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env=self.env)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "the MCP test server exited"
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("the MCP test server did not listen")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
 @pytest.fixture()
 def http_server():
-    """The test server over streamable HTTP on loopback; `restart()` after killing it."""
-    port = free_port()
-
-    class Server:
-        url = f"http://127.0.0.1:{port}/mcp"
-        proc: subprocess.Popen | None = None
-
-        def start(self) -> None:
-            self.proc = subprocess.Popen([sys.executable, SERVER, "http", str(port)],
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                assert self.proc.poll() is None, "the MCP test server exited"
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                    return
-                except OSError:
-                    time.sleep(0.1)
-            raise RuntimeError("the MCP test server did not listen")
-
-        def kill(self) -> None:
-            if self.proc is not None and self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-
-    server = Server()
+    server = HttpServer()
     server.start()
     yield server
     server.kill()
@@ -183,3 +190,63 @@ def test_collisions_and_unreachable_servers_fail_at_start(http_server):
         Toolbox.build([], [{"name": "gone", "url": gone, "connect_timeout_s": 5}])
     assert str(caught.value).startswith("rollout.mcp_servers[0] (gone): cannot connect: ")
     assert "\n" not in str(caught.value)
+
+
+# --------------------------------------------------------------------------- auth headers
+
+TOKEN = "s3cret-token-value"
+
+
+@pytest.fixture()
+def auth_server():
+    """The test server behind bearer auth: 401 without `Authorization: Bearer TOKEN` and
+    `X-Tenant: acme`."""
+    server = HttpServer({"FORAGE_TEST_MCP_TOKEN": TOKEN, "FORAGE_TEST_MCP_TENANT": "acme"})
+    server.start()
+    yield server
+    server.kill()
+
+
+def test_headers_reach_an_http_server_that_requires_a_token(auth_server, monkeypatch, caplog):
+    import httpx
+
+    assert httpx.post(auth_server.url, json={}).status_code == 401  # the server does check
+    caplog.set_level(logging.DEBUG)
+    base = {"name": "secure", "url": auth_server.url, "connect_timeout_s": 10, "timeout_s": 10}
+    with pytest.raises(ToolLoadError) as caught:  # no headers: rejected at replica start
+        Toolbox.build([], [base])
+    assert str(caught.value).startswith("rollout.mcp_servers[0] (secure): cannot connect: ")
+    headers = {"Authorization": "Bearer ${FORAGE_MCP_TEST_TOKEN}", "X-Tenant": "acme"}
+    monkeypatch.setenv("FORAGE_MCP_TEST_TOKEN", "wrong")
+    with pytest.raises(ToolLoadError, match="cannot connect"):
+        Toolbox.build([], [{**base, "headers": headers}])
+    monkeypatch.setenv("FORAGE_MCP_TEST_TOKEN", TOKEN)
+    box = Toolbox.build([], [{**base, "headers": headers}])
+    try:
+        assert box.names == ["add", "lookup", "slow", "die"]
+        box.runner.submit("sum", ToolCall("add", {"a": 2, "b": 3}))
+        assert drain(box.runner)["sum"].text == "5"
+        assert TOKEN not in repr(box.hub.connections)
+    finally:
+        box.close()
+    assert TOKEN not in caplog.text  # never logged, at any level
+
+
+def test_header_variables_must_be_set_and_headers_are_checked(monkeypatch):
+    monkeypatch.delenv("FORAGE_MCP_UNSET_TOKEN", raising=False)
+    server = {"name": "secure", "url": "http://127.0.0.1:9/mcp",
+              "headers": {"Authorization": "Bearer ${FORAGE_MCP_UNSET_TOKEN}"}}
+    with pytest.raises(ToolLoadError, match=r"^rollout.mcp_servers\[0\] \(secure\): header\(s\) "
+                                            r"Authorization need the environment variable\(s\) "
+                                            r"FORAGE_MCP_UNSET_TOKEN, which are not set$"):
+        Toolbox.build([], [server])
+    for headers, message in [
+        ({"Bad Name": "x"}, "not a valid HTTP header name"),
+        ({"Authorization": "Bearer ${1x}"}, "does not start a reference"),
+        ({"Authorization": "a\nb"}, "line break"),
+    ]:
+        with pytest.raises(ToolLoadError, match=message):
+            Toolbox.build([], [{**server, "headers": headers}])
+    with pytest.raises(ToolLoadError, match="headers are sent to url servers only"):
+        Toolbox.build([], [{"name": "local", "command": sys.executable, "args": [SERVER],
+                            "headers": {"Authorization": "x"}}])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -52,6 +54,41 @@ class UserTool(ToolLimits):
         return self
 
 
+# `${NAME}` in an MCP server's header value: the environment variable NAME, read when the
+# replica connects (a token never has to be written into the config).
+ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+
+
+def header_problem(name: str, value: str) -> str | None:
+    """What is wrong with one configured header (None: nothing). The value is never quoted:
+    it may hold a credential."""
+    if not _HEADER_NAME.match(name):
+        return f"header name {name!r} is not a valid HTTP header name"
+    if "${" in ENV_REFERENCE.sub("", value):
+        return (f"header {name!r}: a '${{' in its value does not start a reference "
+                "${NAME} (NAME: letters, digits, _)")
+    if any(ch in value for ch in "\r\n\0"):
+        return f"header {name!r}: the value holds a line break or NUL"
+    return None
+
+
+def expand_headers(headers: Mapping[str, str],
+                   environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """(headers with each `${NAME}` replaced by `environ[NAME]`, the names not set there)."""
+    missing: list[str] = []
+
+    def value_of(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in environ:
+            missing.append(name)
+            return ""
+        return environ[name]
+
+    expanded = {name: ENV_REFERENCE.sub(value_of, value) for name, value in headers.items()}
+    return expanded, sorted(set(missing))
+
+
 class McpServer(ToolLimits):
     """A Model Context Protocol server whose tools the policy may call: `command` (+ `args`,
     `env`) starts one over stdio, `url` reaches one over streamable HTTP. Its tools keep their
@@ -68,6 +105,10 @@ class McpServer(ToolLimits):
     # Starting (or reaching) the server, the handshake and listing its tools.
     connect_timeout_s: float = Field(default=30.0, gt=0)
     retries: int = Field(default=1, ge=0, le=10)  # one reconnect after a lost connection
+    # HTTP headers sent with every request to a `url` server, e.g. {Authorization: "Bearer
+    # ${MCP_TOKEN}"}: each `${NAME}` is the environment variable NAME, read when the replica
+    # starts (unset: the replica stops, naming the variable). Values are never logged.
+    headers: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check(self) -> McpServer:
@@ -76,6 +117,13 @@ class McpServer(ToolLimits):
                              "or url (streamable HTTP)")
         if self.url and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"MCP server {self.name!r}: url must start with http:// or https://")
+        if self.headers and not self.url:
+            raise ValueError(f"MCP server {self.name!r}: headers are sent to url servers only "
+                             "(a stdio server gets env)")
+        for name, value in self.headers.items():
+            problem = header_problem(name, value)
+            if problem:
+                raise ValueError(f"MCP server {self.name!r}: {problem}")
         return self
 
 
