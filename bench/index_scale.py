@@ -2,6 +2,10 @@
 
     .venv/bin/python bench/index_scale.py [--n 1000000] [--quick] [--dim 384]
         [--kinds flat,hnsw,ivf,ivf-sq8,ivf-sqfp16,ivf-pq,hnsw-sq8] [--threads 1]
+        [--kinds "flat;IVF*,SQ4;PCAR384,IVF*,SQ8"] [--budget-gb 8]
+
+`--kinds` also takes FAISS factory strings, separated by ';'; `IVF*` in one stands for the
+nlist build-index picks for the rows (so the projection uses wiki-18's nlist).
 
 No encoder: the vectors are synthetic, with the statistics that matter for an index — many
 clusters, low intrinsic dimension inside a cluster, unit norm. Generator (seed `--seed`, 0):
@@ -26,10 +30,12 @@ Projection to wiki-18 (21M × 768), exact from the codes FAISS would write: per 
 code size of the kind at d=768 (FAISS reports it) + 8 bytes of id for IVF kinds, or + the
 HNSW graph's bytes per vector measured on this build (4 bytes per neighbour slot, plus 12 for
 its offset and level); fixed, the IVF centroids (nlist × 768 × 4 with nlist as build-index
-picks for 21M rows) and codebooks (PQ: 256 × 768 × 4; SQ8: 2 × 768 × 4). The `rule/disk`
+picks for 21M rows) and codebooks (PQ: 256 × d' × 4; SQ: 2 × d' × 4, d' the width after a
+PCA reduction), plus a PCA (d' × d + d × d floats) or OPQ (d × d) matrix. The `rule/disk`
 column applies the same rule at this N and d and divides it by the file's bytes.
 
-Last line: the kind with the least projected bytes among those with recall@10 ≥ 0.95.
+Last line: the kind with the least projected bytes among those with recall@10 ≥ 0.95; with
+`--budget-gb B`, also the kind with the best recall@10 (≥ 0.95) projected within B × 10^9 bytes.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -106,7 +113,7 @@ def build(kind: str, vectors: np.ndarray):
     if kind in ("flat", "hnsw", "ivf"):
         params = default_params(kind, rows)
         return build_dense(kind, vectors, params), params
-    params = default_params(kind, rows, dim)
+    params = default_params(sized(kind, rows), rows, dim)
     return build_factory(str(params["factory"]), vectors, params), params
 
 
@@ -144,10 +151,16 @@ def graph_bytes_per_vector(index) -> float:
     return inner.hnsw.neighbors.size() * 4 / inner.ntotal + 12
 
 
+def sized(kind: str, rows: int) -> str:
+    """A factory string with `IVF*` given the nlist build-index picks for `rows` (so the
+    projection to 21M rows uses wiki-18's nlist, not this run's)."""
+    return kind.replace("IVF*", f"IVF{_nlist(rows)}")
+
+
 def factory_of(kind: str, rows: int, dim: int) -> str:
     """The factory string `build-index --index kind` means for rows × dim."""
     named = {"flat": "Flat", "hnsw": "HNSW32,Flat", "ivf": f"IVF{_nlist(rows)},Flat"}
-    return named.get(kind) or factory_for(kind, rows, dim)
+    return named.get(kind) or factory_for(sized(kind, rows), rows, dim)
 
 
 def rule_bytes(factory: str, rows: int, dim: int, graph_per_vector: float) -> int:
@@ -160,11 +173,16 @@ def rule_bytes(factory: str, rows: int, dim: int, graph_per_vector: float) -> in
     except RuntimeError:
         ivf = None
     if ivf is not None:
-        fixed = ivf.nlist * dim * 4
+        inner_dim = ivf.d  # after a PCA reduction, the centroids and codes are that wide
+        # A rotation in front: OPQ stores d × d floats; PCA its d_out × d matrix and the full
+        # d × d eigenvector matrix.
+        transform = {"OPQ": dim * dim * 4, "PCA": (dim + inner_dim) * dim * 4}.get(
+            factory[:3], 0)
+        fixed = ivf.nlist * inner_dim * 4 + transform
         if "PQ" in factory:
-            fixed += 256 * dim * 4
-        elif "SQ8" in factory:
-            fixed += 2 * dim * 4
+            fixed += 256 * inner_dim * 4
+        elif "SQ" in factory:
+            fixed += 2 * inner_dim * 4
         return int(rows * (ivf.code_size + 8) + fixed)
     inner = faiss.downcast_index(index)
     storage = faiss.downcast_index(inner.storage) if hasattr(inner, "storage") else inner
@@ -185,11 +203,18 @@ def main() -> int:
     parser.add_argument("--build-threads", type=int, default=1,
                         help="FAISS threads for building (1: on a shared box more OpenMP "
                         "threads than free cores spin, and PQ training ran 50× slower)")
-    parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated kinds")
+    parser.add_argument("--kinds", default=",".join(KINDS),
+                        help="comma-separated kinds; separate with ';' when a kind is a FAISS "
+                        "factory string (\"flat;IVF*,SQ4;PCAR384,IVF*,SQ8\"), where IVF* is "
+                        "the nlist build-index picks for the rows")
+    parser.add_argument("--budget-gb", type=float, default=None,
+                        help="also name the kind with the best recall@10 (>= 0.95) whose "
+                        "projected 21M x 768 bytes are within this many GB (10^9 bytes)")
     parser.add_argument("--json", type=Path, default=None, help="also write rows here")
     args = parser.parse_args()
     n = 50_000 if args.quick else args.n
-    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    separator = ";" if ";" in args.kinds else ","
+    kinds = [k.strip() for k in args.kinds.split(separator) if k.strip()]
     if kinds[0] != "flat":
         kinds = ["flat", *[k for k in kinds if k != "flat"]]  # the ground truth comes first
 
@@ -214,13 +239,13 @@ def main() -> int:
             t0 = time.perf_counter()
             index, params = build(kind, corpus)
             build_s = time.perf_counter() - t0
-            path = Path(tmp) / f"{kind}.faiss"
+            path = Path(tmp) / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', kind)}.faiss"
             faiss.write_index(index, str(path))
             disk = path.stat().st_size
             plain = serving_memory(path, 0)
             try:
                 mapped = serving_memory(path, mmap_flag(kind, params.get("factory")))
-            except ValueError:
+            except (ValueError, subprocess.CalledProcessError):  # a kind FAISS cannot map
                 mapped = None
             faiss.omp_set_num_threads(args.threads)
             found = index.search(queries, 10)[1]
@@ -262,6 +287,14 @@ def main() -> int:
     best = min(good, key=lambda r: r["projected_bytes"])
     print(f"best: {best['kind']} ({best['factory']}) recall@10 {best['recall10']:.3f}, "
           f"projected {best['projected_bytes'] / 1e9:.1f} GB for 21M x 768")
+    if args.budget_gb is not None:
+        fits = [r for r in good if r["projected_bytes"] <= args.budget_gb * 1e9]
+        if not fits:
+            print(f"within {args.budget_gb:g} GB: no kind with recall@10 >= 0.95")
+            return 1
+        top = max(fits, key=lambda r: r["recall10"])
+        print(f"within {args.budget_gb:g} GB: {top['kind']} ({top['factory']}) recall@10 "
+              f"{top['recall10']:.3f}, projected {top['projected_bytes'] / 1e9:.2f} GB")
     return 0
 
 

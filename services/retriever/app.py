@@ -243,9 +243,12 @@ def create_app(index_dir: str | Path, settings: RetrieverSection, device: str | 
     """
     state = ServerState()
     device = device or settings.device
+    # The encoder and the index each follow `device` unless placed apart (retriever.py).
+    encoder_device = settings.encoder_device or device
+    index_device = settings.index_device or device
     from services.retriever.encoder import resolve_query_dtype
 
-    query_dtype = resolve_query_dtype(settings.query_dtype, device)
+    query_dtype = resolve_query_dtype(settings.query_dtype, encoder_device)
 
     def load() -> None:
         try:
@@ -256,7 +259,9 @@ def create_app(index_dir: str | Path, settings: RetrieverSection, device: str | 
 
                 searcher = Searcher.load(
                     index_dir, device=device, query_dtype=query_dtype, mmap=settings.mmap,
-                    search_params={"nprobe": settings.nprobe, "ef_search": settings.ef_search})
+                    search_params={"nprobe": settings.nprobe, "ef_search": settings.ef_search},
+                    encoder_device=encoder_device, index_device=index_device,
+                    index_gpu_mode=settings.index_gpu_mode)
             state.searcher = searcher
             if state.batcher is not None:
                 state.batcher.warm_up(lambda: searcher.search_many(["warm up"], [1]))
@@ -283,7 +288,9 @@ def create_app(index_dir: str | Path, settings: RetrieverSection, device: str | 
         options = [(None, None) if isinstance(key, int) else key[1] for key in keys]
         return state.searcher.search_many(queries, topks, options)
 
-    workers, per_worker = split_workers(process_threads(), settings.workers, device)
+    # One worker by default when either half is on a GPU (it runs one batch at a time).
+    on_gpu = next((d for d in (encoder_device, index_device) if d.startswith("cuda")), "cpu")
+    workers, per_worker = split_workers(process_threads(), settings.workers, on_gpu)
 
     def threads_in_use() -> dict[str, Any]:
         """The policy's settings and what torch/faiss report on a worker thread."""

@@ -14,14 +14,15 @@ def register(parser: argparse.ArgumentParser) -> None:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     build = commands.add_parser(
-        "build-index", help="build a FAISS or BM25 index of a JSON Lines corpus",
-        description="Embed a corpus (id+contents or id+title+text per line, plain or gzipped) "
+        "build-index", help="build a FAISS or BM25 index of a JSON Lines or Parquet corpus",
+        description="Embed a corpus (id+contents or id+title+text per row: JSON Lines, plain "
+        "or gzipped, or Parquet) "
         "and build an index directory that `serve` loads. A rerun with the same inputs reuses "
         "the work.",
     )
     build.add_argument("--corpus", required=True,
                        help="corpus, JSON Lines (.jsonl, or gzipped .jsonl.gz, read as it is "
-                       "decompressed)")
+                       "decompressed) or Parquet (.parquet, read in batches; needs pyarrow)")
     build.add_argument("--out", required=True, help="index directory to create or update")
     build.add_argument("--index", dest="index_type", default="flat", metavar="KIND",
                        help="flat (exact), hnsw, ivf (approximate), bm25 (lexical); compressed: "
@@ -64,7 +65,8 @@ def register(parser: argparse.ArgumentParser) -> None:
                        help="default passages per query (retriever.topk, 3)")
     serve.add_argument("--device", default=None,
                        help="cpu, cuda (every GPU) or cuda:N: encoder and dense index; cuda "
-                       "without a CUDA torch or a GPU faiss is an error (retriever.device)")
+                       "without a CUDA torch or a GPU faiss is an error (retriever.device; "
+                       "retriever.encoder_device / index_device, when set, place each apart)")
     serve.add_argument("--max-batch", type=int, default=None,
                        help="queries per micro-batch (retriever.max_batch)")
     serve.add_argument("--max-wait-ms", type=float, default=None,
@@ -149,11 +151,13 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     from services.retriever.indexes import DeviceError
     from services.retriever.manifest import IndexLoadError, check_index_dir
-    from services.retriever.searcher import check_device
+    from services.retriever.searcher import check_placement
 
     try:
         manifest = check_index_dir(settings.index_dir)
-        check_device(settings.device, manifest["index_type"])
+        check_placement(settings.device, manifest["index_type"],
+                        encoder_device=settings.encoder_device,
+                        index_device=settings.index_device)
     except (IndexLoadError, DeviceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

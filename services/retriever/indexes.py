@@ -362,13 +362,28 @@ def parse_device(device: str) -> tuple[str, int | None]:
     raise DeviceError(f"unknown device {device!r} (use cpu, cuda or cuda:N)")
 
 
+def parse_index_device(device: str) -> tuple[str, int | None]:
+    """parse_device, plus "cuda:all" (the same as "cuda": every visible GPU)."""
+    if device == "cuda:all":
+        return "cuda", None
+    try:
+        return parse_device(device)
+    except DeviceError:
+        raise DeviceError(f"unknown device {device!r} (use cpu, cuda, cuda:N or cuda:all)"
+                          ) from None
+
+
 def load_dense(path: Path, index_type: str, params: dict[str, int | str], device: str = "cpu",
-               mmap: bool = False):
-    """Read the FAISS file; on `cuda`, shard it over every visible GPU (`cuda:N`: GPU N), in
-    float16. A faiss without GPU support is a DeviceError, never a CPU fallback. `mmap` maps
-    the file instead of reading it (CPU only; `mmap_flag` says which kinds): the replica
-    starts without reading the codes, and processes on one host share the pages."""
-    kind, gpu = parse_device(device)
+               mmap: bool = False, gpu_mode: str = "shard"):
+    """Read the FAISS file; on `cuda` / `cuda:all`, put it on every visible GPU (`cuda:N`: GPU
+    N), in float16: `gpu_mode` "shard" splits the vectors between the GPUs, "replicate" gives
+    each a full copy (one GPU: the same either way). A faiss without GPU support is a
+    DeviceError, never a CPU fallback. `mmap` maps the file instead of reading it (CPU only;
+    `mmap_flag` says which kinds): the replica starts without reading the codes, and
+    processes on one host share the pages."""
+    kind, gpu = parse_index_device(device)
+    if gpu_mode not in ("shard", "replicate"):
+        raise DeviceError(f"retriever.index_gpu_mode {gpu_mode!r}: use shard or replicate")
     faiss = import_faiss()
     if kind == "cuda":
         problem = dense_gpu_problem(index_type, gpu)
@@ -381,12 +396,19 @@ def load_dense(path: Path, index_type: str, params: dict[str, int | str], device
     index = faiss.read_index(str(path), flag)
     apply_search_params(index, params)
     if kind == "cuda":
-        options = faiss.GpuMultipleClonerOptions()
-        options.useFloat16 = True
-        options.shard = True
-        index = faiss.index_cpu_to_gpus_list(index, co=options,
-                                             gpus=None if gpu is None else [gpu])
+        index = _to_gpus(faiss, index, gpu, gpu_mode)
     return index
+
+
+def _to_gpus(faiss, index, gpu: int | None, gpu_mode: str):
+    """The CPU index cloned onto GPU `gpu`, or onto all of them (None). Not run in Forage's CI
+    (no GPU faiss there); the calls are faiss's documented multi-GPU API."""
+    options = faiss.GpuMultipleClonerOptions()
+    options.useFloat16 = True
+    options.shard = gpu_mode == "shard"
+    if gpu is None:
+        return faiss.index_cpu_to_all_gpus(index, co=options)
+    return faiss.index_cpu_to_gpus_list(index, co=options, gpus=[gpu])
 
 
 class BM25Index:

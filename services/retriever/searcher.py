@@ -56,6 +56,52 @@ def check_device(device: str, index_type: str | None = None, *, index_on_device:
                           + ". Fix the install (docs/retriever.md, GPU) or use cpu.")
 
 
+def check_placement(device: str, index_type: str | None = None, *,
+                    encoder_device: str | None = None, index_device: str | None = None,
+                    key: str = "retriever.device") -> None:
+    """check_device for a split placement: the encoder on `encoder_device` (torch) and the
+    dense index on `index_device` (faiss), each defaulting to `device`. With neither set this
+    is check_device(device, ...) itself, message for message. Every problem is named, with
+    the setting it comes from, in one DeviceError."""
+    if encoder_device is None and index_device is None:
+        check_device(device, index_type, key=key)
+        return
+    from services.retriever.encoder import torch_cuda_problem
+    from services.retriever.indexes import (
+        DeviceError,
+        dense_gpu_problem,
+        parse_device,
+        parse_index_device,
+    )
+
+    encoder_key = "retriever.encoder_device" if encoder_device is not None else key
+    index_key = "retriever.index_device" if index_device is not None else key
+    encoder_device = encoder_device or device
+    index_device = index_device or device
+    try:
+        encoder_kind, encoder_gpu = parse_device(encoder_device)
+    except DeviceError as exc:
+        raise DeviceError(f"{encoder_key}: {exc}") from None
+    try:
+        index_kind, index_gpu = parse_index_device(index_device)
+    except DeviceError as exc:
+        raise DeviceError(f"{index_key}: {exc}") from None
+    if index_type == "bm25":
+        return
+    found = []
+    if encoder_kind == "cuda":
+        problem = torch_cuda_problem(encoder_gpu)
+        if problem:
+            found.append(f"{encoder_key} {encoder_device} cannot be used: {problem}")
+    if index_kind == "cuda":
+        problem = dense_gpu_problem(index_type or "flat", index_gpu)
+        if problem:
+            found.append(f"{index_key} {index_device} cannot be used: {problem}")
+    if found:
+        raise DeviceError("; ".join(found) + ". Fix the install (docs/retriever.md, GPU) or "
+                          "use cpu.")
+
+
 class Searcher:
     def __init__(self, manifest: dict[str, Any], docstore: DocStore, index: Any,
                  encoder: Any = None) -> None:
@@ -76,7 +122,9 @@ class Searcher:
     @classmethod
     def load(cls, index_dir: str | Path, device: str = "cpu", encoder: str | None = None,
              search_params: dict[str, int] | None = None, batch_size: int = 64,
-             query_dtype: str = "float32", mmap: bool = False) -> Searcher:
+             query_dtype: str = "float32", mmap: bool = False,
+             encoder_device: str | None = None, index_device: str | None = None,
+             index_gpu_mode: str = "shard") -> Searcher:
         """Load a built index; raises IndexLoadError naming what is missing or corrupt.
 
         `encoder` overrides the model path recorded at build time (an index copied to another
@@ -84,7 +132,11 @@ class Searcher:
         an IndexLoadError, so a setting never silently does nothing); `query_dtype` is the
         precision queries are encoded in (the server resolves retriever.query_dtype's `auto`);
         `mmap` maps the FAISS file instead of reading it (indexes.mmap_flag says which kinds).
+        `encoder_device` / `index_device` place the encoder and the FAISS index apart (each
+        defaults to `device`); `index_gpu_mode` shards or replicates an index over several GPUs.
         """
+        encoder_device = encoder_device or device
+        index_device = index_device or device
         index_dir = Path(index_dir)
         manifest = check_index_dir(index_dir)
         overrides = {k: v for k, v in (search_params or {}).items() if v is not None}
@@ -97,12 +149,13 @@ class Searcher:
         model = None
         if is_dense(index_type):
             try:
-                index = load_dense(index_dir / FAISS_FILE, index_type, params, device, mmap)
+                index = load_dense(index_dir / FAISS_FILE, index_type, params, index_device,
+                                   mmap, gpu_mode=index_gpu_mode)
             except RuntimeError as exc:
                 raise IndexLoadError(f"{index_dir / FAISS_FILE} is corrupt: {exc}") from None
             except ValueError as exc:  # a kind that cannot be mapped
                 raise IndexLoadError(str(exc)) from None
-            if device == "cpu" or device.startswith("cpu"):
+            if index_device == "cpu" or index_device.startswith("cpu"):
                 have = search_knobs(index)
                 for knob in overrides:
                     if knob in ("nprobe", "ef_search") and knob not in have:
@@ -119,7 +172,7 @@ class Searcher:
             ):
                 model_path = default  # the index was built elsewhere with the default model
             try:
-                model = Encoder(model_path, device=device,
+                model = Encoder(model_path, device=encoder_device,
                                 query_prefix=manifest.get("query_prefix", ""),
                                 passage_prefix=manifest.get("passage_prefix", ""),
                                 batch_size=batch_size, dtype=query_dtype)

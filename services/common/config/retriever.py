@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from services.common.config.base import Section
 
@@ -20,6 +20,16 @@ class RetrieverSection(Section):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     device: str = "cpu"
+    # Where each half runs; null = follow `device`, so a config that sets only `device` places
+    # both as before. encoder_device: cpu, cuda or cuda:N (the query encoder, torch).
+    # index_device: cpu, cuda or cuda:N, or cuda:all (= cuda: every visible GPU) for the FAISS
+    # index; on several GPUs index_gpu_mode shard splits the vectors between them (each holds
+    # 1/n, every query goes to all) and replicate gives each a full copy (queries split between
+    # them). A cuda placement needs a CUDA torch / a GPU faiss; without one the server refuses
+    # to start (docs/retriever.md, "Placement").
+    encoder_device: str | None = None
+    index_device: str | None = None
+    index_gpu_mode: Literal["shard", "replicate"] = "shard"
     # Query-time accuracy/speed of approximate indexes; null = what the build recorded in the
     # manifest (nprobe 32, efSearch 128). nprobe: IVF lists searched (IVF kinds); ef_search:
     # HNSW search breadth (HNSW kinds). Setting one the index lacks stops the server at start.
@@ -59,6 +69,35 @@ class RetrieverSection(Section):
     max_request_chars: int = Field(default=262144, ge=1)
     # 4096 queries of up to 2048 characters fit (about 8.4 MB of ASCII JSON).
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1)
+
+    @field_validator("encoder_device", "index_device")
+    @classmethod
+    def _device_spelling(cls, value: str | None, info) -> str | None:
+        if value is None:
+            return None
+        kind, colon, number = value.partition(":")
+        if kind == "cpu" and not colon:
+            return value
+        if kind == "cuda" and (not colon or number.isdigit()):
+            return value
+        if info.field_name == "index_device" and value == "cuda:all":
+            return value
+        if info.field_name == "encoder_device" and value == "cuda:all":
+            raise ValueError("the encoder runs on one device: use cpu, cuda or cuda:N "
+                             "(cuda:all is for retriever.index_device)")
+        allowed = ("cpu, cuda, cuda:N or cuda:all" if info.field_name == "index_device"
+                   else "cpu, cuda or cuda:N")
+        raise ValueError(f"unknown device {value!r} (use {allowed})")
+
+    @property
+    def encoder_placement(self) -> str:
+        """The encoder's device: encoder_device, or device when that is unset."""
+        return self.encoder_device or self.device
+
+    @property
+    def index_placement(self) -> str:
+        """The FAISS index's device: index_device, or device when that is unset."""
+        return self.index_device or self.device
 
     @model_validator(mode="after")
     def _request_holds_one_query(self) -> RetrieverSection:
