@@ -18,6 +18,13 @@ every question is put in the first bucket that explains it:
 Then, for single-hop questions whose query was right, the answer accuracy per relation
 (born_in, occupation, ...): which facts the policy can read from a passage.
 
+Every wrong answer is also given `forage eval`'s error class (services/eval/errors.py:
+never_searched, first_hop_missed, bridge_missed, evidence_misread, other), from the passages
+the policy retrieved and the row's hops, by the same function `forage eval` uses, so the two
+tools agree on the same trajectories. The buckets above ask what only the synthetic world can
+answer (was the query the question's entity name, the bridge); the classes ask what any dataset
+with gold answers can.
+
 Why it exists: held-out EM alone does not say whether RL is short of a strategy (searching,
 the second hop) or of a skill (copying a name, reading a value). A benchmark helper, not a
 test; about 10-30 s per policy on 2 cores for the demo's 145 questions.
@@ -48,13 +55,40 @@ class Played:
     """One question as the policy played it."""
     queries: tuple[str, ...]
     answer: str | None  # None: no answer (invalid turn or out of turns)
+    # the passages its searches retrieved, as the policy saw them (split as forage eval does)
+    passages: tuple[str, ...] = ()
+
+
+def golds_of(row: dict[str, Any]) -> list[str]:
+    from services.scorer.rewards.text import gold_answers
+
+    return list(gold_answers(row["reward_model"]["ground_truth"]))
+
+
+def is_correct(played: Played, golds: Sequence[str]) -> bool:
+    """Exact match after the scorer's normalisation, against any gold answer."""
+    from services.common.formats import normalize_answer
+
+    return played.answer is not None and any(
+        normalize_answer(played.answer) == normalize_answer(g) for g in golds)
+
+
+def error_class(played: Played, row: dict[str, Any]) -> str | None:
+    """`forage eval`'s class of a wrong answer (services/eval/errors.attribute_error with the
+    row's hops from errors.support_of), None for a right one."""
+    from services.eval.errors import attribute_error, support_of
+
+    golds = golds_of(row)
+    if is_correct(played, golds):
+        return None
+    question = str(row.get("question") or (row.get("extra_info") or {}).get("question") or "")
+    return attribute_error(bool(played.queries), played.passages, golds,
+                           support_of(row, question, golds))
 
 
 def bucket(played: Played, subject: str, bridge: str, hops: int, gold: str) -> str:
     """The first bucket of BUCKETS that explains this outcome (pure; see the module doc)."""
-    from services.common.formats import normalize_answer
-
-    if played.answer is not None and normalize_answer(played.answer) == normalize_answer(gold):
+    if is_correct(played, [gold]):
         return "correct"
     if not played.queries:
         return "no search"
@@ -73,6 +107,7 @@ def play(policy_dir: Path, rows: Sequence[dict[str, Any]], searcher: Any) -> lis
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from services.common.formats import cut_at_first_stop, information_block, parse_action
+    from services.eval.errors import split_passages
     from services.learner.sft import encode_prompt
     from services.learner.sft_skills import generate_greedy, stop_token_ids
 
@@ -86,6 +121,7 @@ def play(policy_dir: Path, rows: Sequence[dict[str, Any]], searcher: Any) -> lis
 
     contexts = [encode_prompt(tokenizer, row["prompt"]) for row in rows]
     queries: list[list[str]] = [[] for _ in rows]
+    passages: list[list[str]] = [[] for _ in rows]
     answers: list[str | None] = [None] * len(rows)
     finished = [False] * len(rows)
     with torch.no_grad():
@@ -110,18 +146,29 @@ def play(policy_dir: Path, rows: Sequence[dict[str, Any]], searcher: Any) -> lis
                 for i, found in zip(searching, results, strict=True):
                     block = information_block([{"document": d, "score": s} for d, s in found])
                     contexts[i] = contexts[i] + ids(block)
-    return [Played(tuple(q), a) for q, a in zip(queries, answers, strict=True)]
+                    passages[i].extend(split_passages(block))
+    return [Played(tuple(q), a, tuple(p))
+            for q, a, p in zip(queries, answers, passages, strict=True)]
 
 
 def summarise(rows: Sequence[dict[str, Any]], played: Sequence[Played]) -> dict[str, Any]:
-    """Bucket counts per hop count, and per-relation answer accuracy where hop 1 was right."""
+    """Bucket counts per hop count, per-relation answer accuracy where hop 1 was right, and
+    `forage eval`'s error classes of the wrong answers (`errors`, as eval.json's)."""
+    from services.eval.errors import ERROR_CLASSES
+
     buckets: dict[int, Counter[str]] = defaultdict(Counter)
     reading: dict[str, Counter[bool]] = defaultdict(Counter)
+    classes: Counter[str] = Counter()
     for row, outcome in zip(rows, played, strict=True):
+        found = error_class(outcome, row)
+        if found is not None:
+            classes[found] += 1
         extra = row["extra_info"]
         gold = str(row["reward_model"]["ground_truth"]["target"][0])
         hops = int(extra["hops"])
-        name = bucket(outcome, str(extra["subject"]), str(extra.get("bridge") or ""), hops, gold)
+        # right or wrong as forage eval scores it (any gold answer); then the query buckets
+        name = "correct" if found is None else bucket(
+            outcome, str(extra["subject"]), str(extra.get("bridge") or ""), hops, gold)
         buckets[hops][name] += 1
         if hops == 1 and outcome.queries and outcome.queries[0] == extra["subject"]:
             reading[str(extra["relation"])][name == "correct"] += 1
@@ -132,6 +179,8 @@ def summarise(rows: Sequence[dict[str, Any]], played: Sequence[Played]) -> dict[
         "em": correct / total if total else 0.0,
         "buckets": {hops: {b: buckets[hops][b] for b in BUCKETS} for hops in sorted(buckets)},
         "reading": {rel: (c[True], c[True] + c[False]) for rel, c in sorted(reading.items())},
+        "errors": {"wrong": sum(classes.values()),
+                   "counts": {name: classes[name] for name in ERROR_CLASSES}},
     }
 
 
@@ -145,6 +194,9 @@ def render(label: str, summary: dict[str, Any]) -> str:
         lines.append(f"| {hops} (n={n}) | " + " | ".join(cells) + " |")
     lines += ["", "single-hop, right query, answer read right per relation: " + ", ".join(
         f"{rel} {ok}/{n}" for rel, (ok, n) in summary["reading"].items())]
+    errors = summary["errors"]
+    lines += ["", f"forage eval's error classes of the {errors['wrong']} wrong answers: " + ", ".join(
+        f"{name} {count}" for name, count in errors["counts"].items())]
     return "\n".join(lines)
 
 

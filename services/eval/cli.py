@@ -3,7 +3,7 @@
     forage eval --model DIR [--model DIR ...] --data FILE [--data FILE ...]
                 --mode direct|rag|agent [--mode ...] [--index DIR | --retriever-url URL]
                 --out OUT [--retrieval live|record|replay] [--protocol tags|tool_calls]
-                [--limit N] ...
+                [--limit N] [--engine transformers|vllm] [--set rollout.KEY=VALUE] ...
 
 Writes OUT/eval.json, OUT/eval.md and OUT/samples.jsonl (docs/eval.md). Torch and the engine
 are imported by the handler only, so `forage eval --help` stays quick. A user mistake is one
@@ -92,6 +92,12 @@ def register(parser: argparse.ArgumentParser) -> None:
              "blocks real, empty and swapped for another question's (docs/eval.md)")
     add("--evidence-samples", type=_positive, default=None, metavar="K",
         help="forced answers per variant and trajectory, at temperature 1 (default 3)")
+    add("--engine", choices=("transformers", "vllm"), default="transformers",
+        help="generation engine, built by the rollout's factory: transformers (default) or "
+             "vllm (a GPU node with the gpu extra)")
+    add("--set", action="append", default=[], metavar="rollout.KEY=VALUE", dest="engine_set",
+        help="another engine setting, with the rollout's config keys (e.g. "
+             "rollout.gpu_memory_utilization=0.5, rollout.vllm_engine_args.kv_cache_dtype=fp8)")
     add("--device", default="cpu", help="cpu (default) or cuda[:N]")
     add("--dtype", default="auto", help="auto (float32 on CPU), bfloat16, float16, float32")
     parser.set_defaults(handler=_handle)
@@ -121,7 +127,8 @@ def _handle(args: argparse.Namespace) -> int:
                           index=args.index, retriever_url=args.retriever_url,
                           retrieval=args.retrieval, store=args.store,
                           data_source=args.data_source, limit=args.limit, device=args.device,
-                          dtype=args.dtype, settings=settings)
+                          dtype=args.dtype, engine=args.engine,
+                          engine_settings=list(args.engine_set), settings=settings)
     try:
         doc = run(request)
     except (EvalError, ConfigError) as exc:

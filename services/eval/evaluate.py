@@ -54,6 +54,10 @@ class EvalRequest:
     limit: int | None = None
     device: str = "cpu"
     dtype: str = "auto"
+    # The rollout's engine factory (services/rollout/engines.py): "transformers" or "vllm",
+    # and further `rollout.KEY=VALUE` settings for it (vLLM's gpu_memory_utilization, ...).
+    engine: str = "transformers"
+    engine_settings: list[str] = field(default_factory=list)
     settings: EvalSettings = field(default_factory=EvalSettings)
     # Called with each engine once loaded: tests script some turns through the engine's own
     # `forced_tokens` hook (a tiny random policy never searches on its own).
@@ -156,6 +160,7 @@ def run(request: EvalRequest) -> dict[str, Any]:
         raise EvalError(f"--protocol must be tags or tool_calls, got "
                         f"{request.settings.protocol!r}")
     models = _check_models(request.models)
+    engine_config(request, request.models[0])  # a bad engine or key: one line, nothing loaded
     needs_search = any(mode in ("rag", "agent") for mode in request.modes)
     try:
         index_id, settings, replay_store = _identity(request, needs_search)
@@ -169,6 +174,12 @@ def run(request: EvalRequest) -> dict[str, Any]:
         "settings": request.settings.as_dict(), "index": index_id,
         "questions": len(questions),
     }
+    # Only when not the default, so directories written before the flag still resume; an
+    # engine switch for an existing OUT is refused as another config (other tokens).
+    if request.engine != "transformers":
+        config["engine"] = request.engine
+    if request.engine_settings:
+        config["engine_settings"] = sorted(request.engine_settings)
     try:
         check_config(out, config)
         backend, store = _backend(request, index_id, settings, replay_store)
@@ -214,10 +225,62 @@ def run(request: EvalRequest) -> dict[str, Any]:
     return doc
 
 
+# Keys `forage eval` sets itself from its own flags; `--set` may not set them too.
+OWN_ROLLOUT_KEYS = ("engine", "device", "dtype", "max_batch_size", "seed")
+# The engine's other rollout keys (docs/rollout.md, "Config keys"), which `--set` may set; the
+# agent loop's keys have forage eval flags of their own (--max-turns, ...).
+ENGINE_KEYS = ("gpu_memory_utilization", "tensor_parallel_size", "enforce_eager",
+               "enable_prefix_caching", "max_model_len", "vllm_engine_args")
+
+
+def engine_config(request: EvalRequest, model: str, check: bool = True) -> Any:
+    """The RunConfig the rollout's engine factory gets: `model.path` and the `rollout.*` keys
+    of this evaluation (engine, device, dtype, batch size, seed) plus `--set rollout.K=V`.
+    Raises EvalError (one line) for a bad key or value, or (`check`) an engine whose package
+    is not installed here."""
+    from pydantic import ValidationError
+
+    from services.common.config import ConfigError, load_config
+    from services.common.config.model import ModelSection
+    from services.common.config.rollout import RolloutSection
+    from services.rollout.engines import require_engine
+
+    for item in request.engine_settings:
+        key = item.split("=", 1)[0].strip()
+        if "=" not in item or not key.startswith("rollout."):
+            raise EvalError(f"--set {item}: expected rollout.KEY=VALUE (an engine setting, "
+                            "docs/rollout.md)")
+        name = key.removeprefix("rollout.").split(".", 1)[0]
+        if name in OWN_ROLLOUT_KEYS:
+            raise EvalError(f"--set {item}: {key} comes from forage eval's own flag "
+                            "(--engine, --device, --dtype, --batch-size, --seed)")
+        if name not in ENGINE_KEYS:
+            raise EvalError(f"--set {item}: rollout.{name} is not an engine setting; --set "
+                            f"takes rollout.{{{', '.join(ENGINE_KEYS)}}}")
+    try:
+        config = load_config(None, list(request.engine_settings), environ={})
+    except ConfigError as exc:
+        raise EvalError(f"--set: {exc}") from None
+    own = {"engine": request.engine, "device": request.device, "dtype": request.dtype,
+           "max_batch_size": request.settings.batch_size, "seed": request.settings.seed}
+    try:
+        rollout = RolloutSection.model_validate({**config.rollout.model_dump(), **own})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        flag = "--" + str(first["loc"][0]).replace("max_batch_size", "batch_size") \
+            .replace("_", "-") if first["loc"] else "--engine"
+        raise EvalError(f"{flag}: {first['msg']} (got {first.get('input')!r})") from None
+    config = config.model_copy(update={"rollout": rollout,
+                                       "model": ModelSection(path=str(model))})
+    if check:
+        try:
+            require_engine(config.rollout.engine, "--engine")
+        except ConfigError as exc:
+            raise EvalError(str(exc)) from None
+    return config
+
+
 def _engine(model: str, request: EvalRequest) -> Any:
-    from services.rollout.transformers_engine import TransformersEngine
+    from services.rollout.engines import make_engine
 
-    return TransformersEngine.from_pretrained(
-        model, device=request.device, dtype=request.dtype,
-        max_batch_size=request.settings.batch_size, seed=request.settings.seed)
-
+    return make_engine(engine_config(request, model))

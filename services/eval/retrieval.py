@@ -5,52 +5,39 @@ QueryRejected`, the interface of the rollout's RetrieverClient, so the agent loo
 them. Live results come from a retriever process (`--retriever-url`, the same HTTP client
 training uses) or from the index loaded in this process (`--index`, the server's own Searcher).
 
-Index identity: a hash of the index's manifest (its build key, each file's checksum, the
-count and type), never of its path or build time: a copied index keeps its identity, a rebuilt
-or changed one gets another. Every recorded result is keyed by (identity, retriever settings,
-top-k, query).
-
-The store is one SQLite file (`OUT/retrieval.sqlite`) rather than JSON Lines: a test set of
-50k questions makes a few hundred thousand results, which replay looks up by key without
-reading them all into memory; each batch is committed in one transaction, so an interrupted
-run leaves a store that is whole up to its last batch (resume just continues it); and the
-primary key makes a result recorded twice (a resumed run) one row. Results are stored as JSON
-text with Python's exact float repr, so a replayed result equals the live one bit for bit.
+The store, its key and the index identity are services/common/retrieval_store.py, shared with
+training's `rollout.retrieval_cache` (the module docstring there says why SQLite and how a
+result is keyed); this module adds the live backends and `forage eval`'s wording.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import sqlite3
-import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from services.rollout.retrieval import QueryRejected
+from services.common import retrieval_store as common
+from services.common.retrieval_store import (
+    Backend,
+    QueryRejected,
+    Recording,
+    Result,
+    index_identity,
+    search_settings,
+    settings_key,
+)
 
-Result = list[dict[str, Any]] | QueryRejected
+__all__ = ["Backend", "Http", "InProcess", "Recording", "Replay", "Result", "RetrievalError",
+           "Store", "index_identity", "read_identity", "replay_identity", "settings_key"]
+
 STORE_FILE = "retrieval.sqlite"
 UNKNOWN_INDEX = "unknown"
 MAX_QUERY_CHARS = 2048  # the rollout client's default check, applied in-process too
 
 
-class RetrievalError(RuntimeError):
-    """A user-facing retrieval problem (no index, store mismatch, a query not recorded)."""
-
-
-class Backend(Protocol):
-    def retrieve(self, queries: Sequence[str]) -> list[Result]: ...
-
-
-def index_identity(manifest: dict[str, Any]) -> str:
-    """`<index_type>-<16 hex>` of what the index holds (see the module docstring)."""
-    content = {key: manifest.get(key) for key in ("build_key", "count", "index_type", "dim",
-                                                  "encoder_name", "query_prefix")}
-    content["files"] = manifest.get("checksums") or manifest.get("files")
-    digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
-    return f"{manifest.get('index_type', 'index')}-{digest}"
+# A user-facing retrieval problem (no index, store mismatch, a query not recorded).
+RetrievalError = common.StoreError
 
 
 def read_identity(index_dir: str | Path) -> tuple[str, dict[str, Any]]:
@@ -61,7 +48,7 @@ def read_identity(index_dir: str | Path) -> tuple[str, dict[str, Any]]:
         manifest = read_manifest(index_dir)
     except IndexLoadError as exc:
         raise RetrievalError(str(exc)) from None
-    return index_identity(manifest), {"search_params": dict(manifest.get("params") or {})}
+    return index_identity(manifest), search_settings(manifest)
 
 
 class InProcess:
@@ -127,98 +114,20 @@ class Http:
         return self.client.retrieve(list(queries))
 
 
-def _encode(result: Result) -> str:
-    if isinstance(result, QueryRejected):
-        return json.dumps({"rejected": result.reason})
-    return json.dumps({"results": result}, sort_keys=True)
-
-
-def _decode(text: str) -> Result:
-    value = json.loads(text)
-    if "rejected" in value:
-        return QueryRejected(str(value["rejected"]))
-    return value["results"]
-
-
-class Store:
-    """The SQLite store of recorded results (thread-safe: the agent loop retrieves on a worker
-    thread)."""
+class Store(common.Store):
+    """The store (services/common/retrieval_store.py) with `forage eval`'s advice."""
 
     def __init__(self, path: str | Path, create: bool) -> None:
-        self.path = Path(path)
-        if not create and not self.path.is_file():
-            raise RetrievalError(f"{self.path}: no retrieval store (record one with "
-                                 "--retrieval record)")
-        if create:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(self.path), check_same_thread=False)
-        self._db.execute("CREATE TABLE IF NOT EXISTS results (index_id TEXT, settings TEXT, "
-                         "topk INTEGER, query TEXT, result TEXT, "
-                         "PRIMARY KEY (index_id, settings, topk, query))")
-        self._db.commit()
-
-    def identities(self) -> list[tuple[str, str]]:
-        with self._lock:
-            rows = self._db.execute("SELECT DISTINCT index_id, settings FROM results").fetchall()
-        return [(str(a), str(b)) for a, b in rows]
-
-    def put(self, index_id: str, settings: str, topk: int,
-            items: Sequence[tuple[str, Result]]) -> None:
-        with self._lock:
-            self._db.executemany("INSERT OR REPLACE INTO results VALUES (?, ?, ?, ?, ?)",
-                                 [(index_id, settings, topk, q, _encode(r)) for q, r in items])
-            self._db.commit()
-
-    def get(self, index_id: str, settings: str, topk: int, query: str) -> Result | None:
-        with self._lock:
-            row = self._db.execute("SELECT result FROM results WHERE index_id=? AND settings=? "
-                                   "AND topk=? AND query=?",
-                                   (index_id, settings, topk, query)).fetchone()
-        return None if row is None else _decode(row[0])
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        super().__init__(path, create, missing_hint="record one with --retrieval record")
 
 
-def settings_key(settings: dict[str, Any]) -> str:
-    return json.dumps(settings, sort_keys=True)
-
-
-class Recording:
-    """A live backend whose every answer is also written to the store."""
-
-    def __init__(self, inner: Backend, store: Store, index_id: str, settings: dict[str, Any],
-                 topk: int) -> None:
-        self.inner, self.store, self.index_id = inner, store, index_id
-        self.settings, self.topk = settings_key(settings), topk
-
-    def retrieve(self, queries: Sequence[str]) -> list[Result]:
-        results = self.inner.retrieve(queries)
-        self.store.put(self.index_id, self.settings, self.topk, list(zip(queries, results,
-                                                                         strict=True)))
-        return results
-
-
-class Replay:
+class Replay(common.Replay):
     """Answers from the store only; a query it lacks is an error naming the query."""
 
     def __init__(self, store: Store, index_id: str, settings: dict[str, Any], topk: int) -> None:
-        self.store, self.index_id = store, index_id
-        self.settings, self.topk = settings_key(settings), topk
-
-    def retrieve(self, queries: Sequence[str]) -> list[Result]:
-        out = []
-        for query in queries:
-            found = self.store.get(self.index_id, self.settings, self.topk, query)
-            if found is None:
-                raise RetrievalError(
-                    f"query {query!r} (top-k {self.topk}, index {self.index_id}) is not in "
-                    f"{self.store.path}: the recorded run never asked it; record again with "
-                    "--retrieval record (same model, data, mode and settings)")
-            out.append(found)
-        return out
+        super().__init__(store, index_id, settings, topk,
+                         hint="record again with --retrieval record (same model, data, mode "
+                              "and settings)")
 
 
 def replay_identity(store: Store, index_dir: str | None) -> tuple[str, dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""Plays evaluation questions through the transformers engine and the agent loop, in process.
+"""Plays evaluation questions through the engine (the rollout factory's) and the agent loop, in process.
 
 One engine per model; for each mode, the questions not yet in OUT/samples.jsonl are played in
 batches of `batch_size` questions. Each batch runs the agent loop in `lockstep` scheduling

@@ -57,7 +57,12 @@ from services.rollout.probe import (
     probe_stops,
     reasoning_span,
 )
-from services.rollout.retrieval import QueryRejected, RetrieverClient, RetrieverError
+from services.rollout.retrieval import (
+    QueryFailed,
+    QueryRejected,
+    RetrieverClient,
+    RetrieverError,
+)
 from services.rollout.tool_runner import Toolbox, ToolResult, ToolRunner
 from services.rollout.tools import ChatTurns, ToolStats, timed_calculator
 
@@ -690,6 +695,14 @@ class AgentLoop:
             return list({id(state): state for state, _, _ in batch}.values())
         touched = []
         for (state, _, slot), docs in zip(batch, results, strict=True):
+            if isinstance(docs, QueryFailed):  # this trajectory only (rollout.retrieval_cache)
+                if state.finish_reason is None:
+                    log.error("retrieval failed for one trajectory: %s", docs.reason)
+                    state.finish_reason = "error"
+                    state.error = docs.reason
+                    self.engine.release(id(state))
+                touched.append(state)
+                continue
             if slot is not None:  # a search tool call: fill its slot, go on once all are in
                 if state.finish_reason is None and self._search_result(state, slot, docs):
                     self._finish_tool_turn(state, deferred, lockstep)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
+from services.common.config import ConfigError
 from services.common.paths import require_model_dir, require_tokenizer_dir
 from services.rollout.vllm_lora import lora_engine_kwargs
 from services.rollout.vllm_worker import EXTENSION_CLASS
@@ -55,6 +57,18 @@ def vllm_engine_kwargs(rollout: Any, model: Any, lora: Any = None) -> dict[str, 
     return kwargs
 
 
+class EngineUnavailable(ConfigError):
+    """The configured engine's package is not installed here (one line, exit code 2)."""
+
+
+def require_engine(engine: str, key: str = "rollout.engine") -> None:
+    """Refuse an engine whose package is missing before anything loads: one line naming the
+    package, not vLLM's ImportError traceback from deep inside a replica's start."""
+    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise EngineUnavailable(f"{key}: vllm needs the `vllm` package, which is not installed "
+                                "here (on a GPU node: pip install -e .[gpu])")
+
+
 def make_engine(config: Any) -> Any:
     """`config` is a RunConfig: model.path, rollout.engine/device/dtype/max_batch_size/seed."""
     rollout, model = config.rollout, config.model
@@ -62,6 +76,7 @@ def make_engine(config: Any) -> Any:
     require_model_dir(model.path, "model.path")
     if model.tokenizer_path:
         require_tokenizer_dir(model.tokenizer_path, "model.tokenizer_path")
+    require_engine(rollout.engine)
     if rollout.engine == "vllm":
         from services.rollout.vllm_engine import VLLMEngine
 

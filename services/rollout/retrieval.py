@@ -18,12 +18,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+# A query not answered: shared with the recorded-results store (services/common).
+from services.common.retrieval_store import QueryFailed, QueryRejected
 from services.rollout import metrics
+
+__all__ = ["QueryFailed", "QueryRejected", "RetrieverClient", "RetrieverError"]
 
 log = logging.getLogger("forage.rollout.retrieval")
 
@@ -38,17 +41,6 @@ REQUEST_FIELDS = ("topk", "return_scores")
 
 class RetrieverError(RuntimeError):
     """The retriever stayed unreachable, answered garbage, or refused every request."""
-
-
-@dataclass(frozen=True)
-class QueryRejected:
-    """A query that was not answered (the client's check or the server refused it)."""
-
-    reason: str
-
-    def observation(self) -> str:
-        """What the trajectory sees instead of passages, in Search-R1's observation frame."""
-        return f"\n\n<information>Search failed: {self.reason}</information>\n\n"
 
 
 class RetrieverClient:

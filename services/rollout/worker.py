@@ -36,6 +36,7 @@ from services.rollout.agent import AgentLoop, LoopSettings
 from services.rollout.engines import make_engine
 from services.rollout.probe import ProbeSettings
 from services.rollout.retrieval import RetrieverClient
+from services.rollout.retrieval_cache import open_cache
 from services.rollout.tool_runner import ToolLoadError
 
 log = logging.getLogger("forage.rollout")
@@ -100,8 +101,8 @@ class RolloutWorker:
         self.config = config
         self.name = replica_name(config.rollout.name)
         self.namespace = config.redis.namespace
-        self.engine = engine if engine is not None else make_engine(config)
         retriever = None
+        self._retrieval_cache = None
         if config.rollout.use_search:
             retriever = RetrieverClient(
                 config.retriever.url, topk=config.retriever.topk,
@@ -109,6 +110,12 @@ class RolloutWorker:
                 backoff_s=config.rollout.retrieve_backoff_s,
                 max_query_chars=config.retriever.max_query_chars,
             )
+            # rollout.retrieval_cache (None: off), checked before the engine loads: a store of
+            # another index stops the replica at once
+            self._retrieval_cache = open_cache(config, retriever)
+            if self._retrieval_cache is not None:
+                retriever = self._retrieval_cache  # type: ignore[assignment]
+        self.engine = engine if engine is not None else make_engine(config)
         self.loop = AgentLoop(
             self.engine, LoopSettings.from_config(config.rollout), retriever,
             ProbeSettings.from_config(config.probe), on_step=self._between_steps,
@@ -163,6 +170,8 @@ class RolloutWorker:
             self._redis.delete(self._beat_key())
             server.stop()
             self.loop.close()
+            if self._retrieval_cache is not None:
+                self._retrieval_cache.close()
             if self._relay is not None:  # children reading from it go on elsewhere
                 self._relay.stop()
         log.info("replica %s stopped", self.name)

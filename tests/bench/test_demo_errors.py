@@ -12,7 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 
-from demo_errors import Played, bucket, summarise  # noqa: E402
+from demo_errors import Played, bucket, error_class, golds_of, summarise  # noqa: E402
 
 
 @pytest.mark.parametrize(("played", "hops", "expected"), [
@@ -49,6 +49,30 @@ def test_summarise_counts_and_reading() -> None:
     assert summary["buckets"][2]["correct"] == 1
     # reading counts only single-hop questions whose query was right
     assert summary["reading"] == {"occupation": (1, 2)}
+
+
+def test_error_classes_are_forage_evals() -> None:
+    """Wrong answers get services/eval/errors.py's classes, from the same function and
+    inputs `forage eval` uses, so the two tools agree on a trajectory."""
+    from services.eval.errors import ERROR_CLASSES, attribute_error, support_of
+
+    rows = [_row("A B", "occupation", "poet"), _row("C D", "born_in", "Zenas"),
+            _row("E F", "founder/born_in", "Zenas", "C D"), _row("G H", "born_in", "Visun"),
+            _row("I J", "born_in", "Visun")]
+    played = [Played(("A B",), "farmer", ("A B was a poet.",)), Played((), None),
+              Played(("E F", "C D"), "Brimel", ("E F was founded by C D.", "C D met Tira.")),
+              Played(("G H",), "Neston", ("G H is a person.",)),
+              Played(("I J",), "visun", ("I J was born in Visun.",))]
+    summary = summarise(rows, played)
+    assert summary["errors"] == {"wrong": 4, "counts": {
+        "never_searched": 1, "first_hop_missed": 1, "bridge_missed": 1, "evidence_misread": 1,
+        "other": 0}}
+    assert list(summary["errors"]["counts"]) == list(ERROR_CLASSES)
+    for row, outcome in zip(rows, played, strict=True):
+        golds = golds_of(row)
+        expected = None if outcome.answer == "visun" else attribute_error(
+            bool(outcome.queries), outcome.passages, golds, support_of(row, "", golds))
+        assert error_class(outcome, row) == expected
 
 
 def test_not_a_run_directory(tmp_path: Path) -> None:

@@ -127,6 +127,33 @@ class McpServer(ToolLimits):
         return self
 
 
+class RetrievalCache(Section):
+    """`rollout.retrieval_cache` (docs/rollout.md, "Recorded retrieval"): `record` writes every
+    /retrieve result the replica gets to the SQLite store at `path` (replicas may share one
+    file); `replay` answers every search from it, and a query it lacks fails its trajectory
+    (finish_reason error). `index` is the index directory whose manifest names the index
+    (default: retriever.index_dir); `wait_s` bounds the wait for the retriever's /healthz when
+    recording."""
+
+    mode: Literal["off", "record", "replay"] = "off"
+    path: str = ""
+    index: str = ""
+    wait_s: float = Field(default=120.0, gt=0)
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _switch(cls, value: Any) -> Any:
+        """YAML reads a bare `off` as false."""
+        return "off" if value is False else value
+
+    @model_validator(mode="after")
+    def _check(self) -> RetrievalCache:
+        if self.mode != "off" and not self.path:
+            raise ValueError(f"mode {self.mode} needs path: the SQLite file of recorded "
+                             "results (e.g. runs/NAME/retrieval.sqlite)")
+        return self
+
+
 class RolloutSection(Section):
     engine: Literal["transformers", "vllm"] = "transformers"
     device: str = "cpu"
@@ -204,6 +231,16 @@ class RolloutSection(Section):
     # Any other vLLM EngineArgs field, passed through as given (e.g. max_num_batched_tokens,
     # kv_cache_dtype); the keys above and the ones Forage sets itself cannot be overridden here.
     vllm_engine_args: dict[str, Any] = Field(default_factory=dict)
+    # Record or replay the replica's /retrieve results (RetrievalCache; off by default).
+    retrieval_cache: RetrievalCache = Field(default_factory=RetrievalCache)
+
+    @model_validator(mode="after")
+    def _cache_needs_search(self) -> RolloutSection:
+        if self.retrieval_cache.mode != "off" and not self.use_search:
+            raise ValueError("retrieval_cache.mode is "
+                             f"{self.retrieval_cache.mode} but use_search is off: nothing "
+                             "would be searched (set retrieval_cache.mode: off)")
+        return self
 
     @field_validator("weight_relay", mode="before")
     @classmethod

@@ -1,0 +1,225 @@
+"""`rollout.retrieval_cache` (docs/rollout.md, "Recorded retrieval"): a replica records every
+/retrieve result in `forage eval`'s store, or replays them; a missing query fails its own
+trajectory; a store of another index stops the replica at startup; replicas share one file.
+
+The record/replay test plays the real agent loop against the session's real retriever process
+(`retriever_url` in tests/rollout/conftest.py); the rest are unit tests."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.common.config import ConfigError, load_config
+from services.common.retrieval_store import (
+    QueryFailed,
+    QueryRejected,
+    Replay,
+    Store,
+    StoreError,
+    check_index,
+    settings_key,
+)
+from services.common.trajectory import PromptGroup
+from services.rollout.agent import AgentLoop, LoopSettings
+from services.rollout.retrieval import RetrieverClient
+from services.rollout.retrieval_cache import RetrievalCacheError, open_cache
+
+REPO = Path(__file__).resolve().parents[2]
+SEARCH = "<think> I need {0} </think>\n<search> {0} </search>"
+ANSWER = "<think> done </think>\n<answer> Corvale </answer>"
+
+
+def scripted(engine, scripts: list[list[str]]) -> None:
+    """Sample i plays scripts[i], turn t its t-th text."""
+    encoded = [[engine.tokenizer.encode(t, add_special_tokens=False) for t in s]
+               for s in scripts]
+
+    def forced(request):
+        if request.tag[0] != "turn":
+            return None
+        state = request.tag[1]
+        texts = encoded[state.index % len(encoded)]
+        return texts[min(len(state.turns), len(texts) - 1)]
+
+    engine.forced_tokens = forced
+
+
+def group(n: int) -> PromptGroup:
+    return PromptGroup(uid="g1", data_source="nq", ground_truth={"target": ["Corvale"]}, n=n,
+                       prompt=[{"role": "user", "content": "Where was Brixol born?"}])
+
+
+def config(mode: str, path: Path, index: Path | str, url: str = "http://127.0.0.1:9/retrieve",
+           *more: str):
+    return load_config(None, [f"retriever.url={url}", "retriever.topk=2",
+                              f"rollout.retrieval_cache.mode={mode}",
+                              f"rollout.retrieval_cache.path={path}",
+                              f"rollout.retrieval_cache.index={index}",
+                              "rollout.retrieval_cache.wait_s=5", *more], environ={})
+
+
+def fake_index(where: Path, count: int = 4, build_key: str = "a") -> Path:
+    """An index directory as far as the identity goes: its manifest only."""
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "manifest.json").write_text(json.dumps(
+        {"format_version": 1, "index_type": "flat", "count": count, "build_key": build_key,
+         "checksums": {"index.faiss": build_key}, "params": {}}))
+    return where
+
+
+def served_index(tmp_path_factory) -> Path:
+    """The directory the session's retriever process serves (tests/rollout/conftest.py)."""
+    found = sorted(tmp_path_factory.getbasetemp().glob("retriever*/index/manifest.json"))
+    assert found, "the retriever_url fixture's index was not found"
+    return found[0].parent
+
+
+def play(engine, retriever, scripts) -> list:
+    scripted(engine, scripts)
+    loop = AgentLoop(engine, LoopSettings(scheduling="lockstep"), retriever)
+    try:
+        return loop.run([group(n=len(scripts))])
+    finally:
+        loop.close()
+
+
+def test_record_then_replay_on_a_real_retriever(engine, retriever_url, dead_retriever_url,
+                                                tmp_path, tmp_path_factory):
+    index = served_index(tmp_path_factory)
+    db = tmp_path / "retrieval.sqlite"
+    client = RetrieverClient(retriever_url, topk=2, timeout_s=10, retries=1, backoff_s=0.01)
+    recording = open_cache(config("record", db, index, retriever_url), client)
+    scripts = [[SEARCH.format("Brixol"), ANSWER], [SEARCH.format("Tamra"), ANSWER], [ANSWER]]
+    recorded = play(engine, recording, scripts)
+    recording.close()
+    assert [t.finish_reason for t in recorded] == ["answer"] * 3
+    assert [t.num_searches for t in recorded] == [1, 1, 0]
+
+    # Keyed exactly as `forage eval` keys it, so eval replays a training store.
+    from services.eval.retrieval import read_identity
+
+    identity, settings = read_identity(index)
+    store = Store(db, create=False)
+    assert store.identities() == [(identity, settings_key(settings))]
+    assert Replay(store, identity, settings, 2).retrieve(["Brixol"])[0][0]["document"][
+        "contents"].startswith('"Brixol"')
+    store.close()
+
+    # Replay: the retriever is never asked (the URL has nobody behind it), same tokens.
+    replaying = open_cache(config("replay", db, index, dead_retriever_url), None)
+    replayed = play(engine, replaying, scripts)
+    assert [t.response_ids.tolist() for t in replayed] == \
+        [t.response_ids.tolist() for t in recorded]
+    # A query the store lacks fails its own trajectory (finish_reason error), not the batch.
+    missing = play(engine, replaying, [[SEARCH.format("Osric"), ANSWER], *scripts[:2]])
+    replaying.close()
+    assert [t.finish_reason for t in missing] == ["error", "answer", "answer"]
+    assert "'Osric'" in missing[0].error and "is not in" in missing[0].error
+
+
+def test_recording_checks_the_retriever_serves_the_named_index(retriever_url, tmp_path):
+    other = fake_index(tmp_path / "other", count=99)
+    client = RetrieverClient(retriever_url, topk=2)
+    with pytest.raises(RetrievalCacheError, match="not the same index"):
+        open_cache(config("record", tmp_path / "r.sqlite", other, retriever_url), client)
+
+
+def test_a_store_of_another_index_is_a_startup_error(tmp_path):
+    db = tmp_path / "r.sqlite"
+    store = Store(db, create=True)
+    store.put("flat-0000000000000000", settings_key({"search_params": {}}), 2,
+              [("Brixol", [{"document": {"contents": "x"}, "score": 1.0}])])
+    store.close()
+    index = fake_index(tmp_path / "index")
+    for mode in ("record", "replay"):
+        with pytest.raises(RetrievalCacheError, match="another index"):
+            open_cache(config(mode, db, index), None)
+
+
+def test_startup_errors_name_what_is_missing(tmp_path):
+    index = fake_index(tmp_path / "index")
+    with pytest.raises(RetrievalCacheError, match="no retrieval store"):
+        open_cache(config("replay", tmp_path / "none.sqlite", index), None)
+    with pytest.raises(RetrievalCacheError, match="set rollout.retrieval_cache.index"):
+        open_cache(config("record", tmp_path / "r.sqlite", ""), None)
+    with pytest.raises(RetrievalCacheError, match="has no manifest.json"):
+        open_cache(config("record", tmp_path / "r.sqlite", tmp_path), None)
+    (tmp_path / "junk.sqlite").write_text("not a database, " * 100)
+    with pytest.raises(RetrievalCacheError, match="not a retrieval store"):
+        open_cache(config("record", tmp_path / "junk.sqlite", index), None)
+    assert open_cache(load_config(None, [], environ={}), None) is None  # off by default
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["rollout.retrieval_cache.mode=record"], "mode record needs path"),
+    (["rollout.retrieval_cache.mode=replay", "rollout.retrieval_cache.path=r.sqlite",
+      "rollout.use_search=false"], "use_search is off"),
+    (["rollout.retrieval_cache.mode=always"], "'off', 'record' or 'replay'"),
+])
+def test_the_option_is_validated_when_the_config_loads(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides, environ={})
+    assert load_config(None, ["rollout.retrieval_cache.mode=off"],
+                       environ={}).rollout.retrieval_cache.mode == "off"
+
+
+def test_replay_gives_a_missing_query_its_own_failure(tmp_path):
+    store = Store(tmp_path / "r.sqlite", create=True)
+    settings = {"search_params": {}}
+    store.put("flat-a", settings_key(settings), 2, [("Brixol", QueryRejected("too long"))])
+    check_index(store, "flat-a", settings, "replay")
+    with pytest.raises(StoreError, match="other search settings"):
+        check_index(store, "flat-a", {"search_params": {"nprobe": 8}}, "replay")
+    got = Replay(store, "flat-a", settings, 2, fail_missing=True).retrieve(["Brixol", "Tamra"])
+    assert got[0] == QueryRejected("too long") and isinstance(got[1], QueryFailed)
+    with pytest.raises(StoreError, match="'Tamra'"):
+        Replay(store, "flat-a", settings, 2).retrieve(["Tamra"])
+    store.close()
+
+
+WRITER = """
+import sys
+from services.common.retrieval_store import Store
+store = Store(sys.argv[1], create=True)
+for batch in range(60):
+    store.put("flat-a", "{}", 2, [(f"{sys.argv[2]}-{batch}-{i}",
+                                   [{"document": {"contents": "x" * 200}, "score": 0.5}])
+                                  for i in range(20)])
+store.close()
+"""
+
+
+def test_two_processes_write_one_store(tmp_path):
+    """Two replicas recording into one file at once: every batch of both is kept."""
+    db = tmp_path / "shared.sqlite"
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(db), name], cwd=REPO,
+                              stderr=subprocess.PIPE, text=True) for name in ("a", "b")]
+    for proc in procs:
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+    with sqlite3.connect(db) as check:
+        assert check.execute("SELECT COUNT(*) FROM results").fetchone()[0] == 2 * 60 * 20
+        assert check.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_the_replica_plays_through_the_cache(engine, tmp_path):
+    """RolloutWorker wires rollout.retrieval_cache into its agent loop (no Redis needed)."""
+    from services.rollout.worker import RolloutWorker
+
+    index = fake_index(tmp_path / "index")
+    from services.common.retrieval_store import index_identity, read_index_manifest
+
+    store = Store(tmp_path / "r.sqlite", create=True)
+    store.put(index_identity(read_index_manifest(index)),
+              settings_key({"search_params": {}}), 2, [("Brixol", [])])
+    store.close()
+    worker = RolloutWorker(config("replay", tmp_path / "r.sqlite", index), engine=engine)
+    assert worker.loop.retriever is worker._retrieval_cache
+    assert worker.loop.retriever.retrieve(["Brixol"]) == [[]]
+    worker._retrieval_cache.close()
