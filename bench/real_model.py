@@ -70,7 +70,12 @@ def start_retriever(index: Path) -> tuple[subprocess.Popen, str]:
 
 
 def zero_shot(model_dir: Path, world: Path, questions: int, batch: int, max_turns: int,
-              tokens_per_turn: int, threads: int) -> dict:
+              tokens_per_turn: int, threads: int, *, device: str = "cpu", topk: int = 3,
+              settings=None) -> dict:
+    """Greedy play of the first `questions` held-out questions by the model in `model_dir`.
+    `settings` (a LoopSettings) replaces max_turns / tokens_per_turn and this bench's budgets:
+    bench/real_learn.py passes the RL run's own, so its figures compare with the learner's
+    evaluations."""
     import torch
 
     from services.learner.prompts import group_from_row
@@ -83,12 +88,14 @@ def zero_shot(model_dir: Path, world: Path, questions: int, batch: int, max_turn
     torch.set_num_threads(threads)
     rows = load_rows(world / "test.parquet", limit=questions)
     groups = [group_from_row(row, f"q{i}", 1, kind="eval") for i, row in enumerate(rows)]
-    engine = TransformersEngine.from_pretrained(str(model_dir), max_batch_size=batch, seed=0)
+    engine = TransformersEngine.from_pretrained(str(model_dir), device=device,
+                                                max_batch_size=batch, seed=0)
     server, url = start_retriever(world / "index")
     try:
-        settings = LoopSettings(max_turns=max_turns, max_tokens_per_turn=tokens_per_turn,
-                                max_obs_length=400, max_response_length=2048)
-        agent = AgentLoop(engine, settings, RetrieverClient(url, topk=3))
+        if settings is None:
+            settings = LoopSettings(max_turns=max_turns, max_tokens_per_turn=tokens_per_turn,
+                                    max_obs_length=400, max_response_length=2048)
+        agent = AgentLoop(engine, settings, RetrieverClient(url, topk=topk))
         started = time.perf_counter()
         trajectories = agent.run(groups)
         wall = time.perf_counter() - started

@@ -34,7 +34,13 @@ PARTS = [
     ("weight_sync", "weight_sync_part.py", 40, 20),
     ("retriever", "retriever_part.py", 50, 30),
     ("demo", "demo_part.py", 195, 240),
+    # Not in the default parts (OPTIONAL): SmolLM2-135M-Instruct learning on the synthetic world
+    # (bench/real_learn.py: SFT, GRPO full and LoRA). Sized to take the lease's one 10-minute
+    # command alone: `--parts real_learn`. Its model must be carried (real_learn_part.py).
+    ("real_learn", "real_learn_part.py", 540, 480),
 ]
+# Parts run only when --parts names them.
+OPTIONAL = {"real_learn"}
 
 
 def prepare_encoder(site: Path | None, wheelhouse: Path, notes: list[str]) -> None:
@@ -130,12 +136,27 @@ def headline_rows(part: dict) -> list[tuple[str, str]]:
         elif name == "demo":
             rows.append(("forage demo --quick", f"exit {r['exit_code']}, {r['wall_s']}s, "
                                                 f"steps {r.get('steps')}"))
+        elif name == "real_learn":
+            runs = r.get("runs") or {}
+            zs = r.get("zero_shot") or {}
+            rows.append((f"real_learn SmolLM2 on {r.get('device')}, {r.get('wall_s')}s",
+                         f"em_gain {r.get('em_gain')} points; zero-shot EM {_pct(zs.get('em'))}; "
+                         + "; ".join(
+                             f"{mode}: EM {_pct(run.get('sft_start', {}).get('em'))} -> "
+                             f"{_pct(run.get('end', {}).get('em'))}, searches "
+                             f"{run.get('sft_start', {}).get('searches_per_question')} -> "
+                             f"{run.get('end', {}).get('searches_per_question')}"
+                             for mode, run in runs.items())))
     if name == "retriever" and part.get("search_qps"):
         rows.append((f"retriever FAISS Flat search, {part['index_rows']:,} x 384 "
                      f"({part.get('search_device')})", f"{part['search_qps']:,.0f} q/s"))
     if part.get("error"):
         rows.append((f"{name}: stopped", part["error"][:300]))
     return rows
+
+
+def _pct(value) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
 def summary_table(facts: dict, parts: list[dict], dry_run: bool) -> str:
@@ -155,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("--parts", default=",".join(p[0] for p in PARTS),
-                        help="comma-separated subset, in the order above")
+    parser.add_argument("--parts", default=",".join(p[0] for p in PARTS if p[0] not in OPTIONAL),
+                        help="comma-separated subset, in the order above (default: all but "
+                             f"{', '.join(sorted(OPTIONAL))})")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="wall time for all parts (default: the parts' budgets added up)")
     parser.add_argument("--site", type=Path, default=None,

