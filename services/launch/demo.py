@@ -83,7 +83,39 @@ def _settings_stamp(cfg: RunConfig) -> dict[str, Any]:
                                                          "sft_until", "sft_eval_every",
                                                          "sft_min_steps", "sft_max_steps",
                                                          "sft_heldout")},
-            "max_tokens_per_turn": cfg.rollout.max_tokens_per_turn}
+            "max_tokens_per_turn": cfg.rollout.max_tokens_per_turn,
+            **_protocol_stamp(cfg)}
+
+
+def _protocol_stamp(cfg: RunConfig) -> dict[str, Any]:
+    """The action protocol and tools the world's prompts and demonstrations are written in;
+    nothing for Search-R1's tags (a stamp written before the tool_calls protocol still
+    matches)."""
+    rollout = cfg.rollout.model_dump(mode="json")
+    if rollout.get("protocol", "tags") == "tags":
+        return {}
+    return {"protocol": rollout["protocol"], "tools": rollout.get("tools")}
+
+
+# Skills the SFT gate can read per protocol. services/learner/sft_skills.py reads the first
+# turn's format and the copied query from Search-R1's <search> turns only; the answer skill
+# (the final turn after the last observation, an <answer>) reads the same in both protocols.
+GATE_SKILLS: dict[str, tuple[str, ...] | None] = {"tags": None, "tool_calls": ("answer",)}
+
+
+def sft_learner(cfg: RunConfig) -> Any:
+    """The learner settings the SFT phase runs with: the run's, with `learner.sft_until`
+    narrowed to the skills the gate can read in the run's protocol (with tool calls a
+    threshold on format or query could never be reached and SFT would always run to its
+    cap). Unchanged with tags."""
+    learner = cfg.learner
+    readable = GATE_SKILLS.get(str(getattr(cfg.rollout, "protocol", "tags")))
+    if readable is None or not learner.sft_until:
+        return learner
+    kept = {k: v for k, v in learner.sft_until.items() if k in readable}
+    if kept == dict(learner.sft_until):
+        return learner
+    return learner.model_copy(update={"sft_until": kept or None})
 
 
 def _skills_text(skills: dict[str, Any], thresholds: dict[str, float] | None) -> str:
@@ -185,10 +217,17 @@ def prepare(cfg: RunConfig, config_file: Path, overrides: list[str], out: Path,
     import pyarrow.parquet as pq
 
     rows = pq.read_metadata(str(world / "sft.parquet")).num_rows
-    total = cfg.learner.sft_step_budget(rows)
-    rows = min(rows, cfg.learner.sft_max_rows or rows)
-    if cfg.learner.sft_until:
-        until = ", ".join(f"{n} {v:.2f}" for n, v in cfg.learner.sft_until.items())
+    learner = sft_learner(cfg)
+    gate: list[str] = []
+    if learner.sft_until != cfg.learner.sft_until:
+        gate = ["--set", f"learner.sft_until={json.dumps(learner.sft_until)}"]
+        _say(f"      {cfg.rollout.protocol}: the SFT gate reads the "
+             f"{', '.join(learner.sft_until or {}) or 'no'} skill(s) only (format and query "
+             "are measured on Search-R1 tag turns)")
+    total = learner.sft_step_budget(rows)
+    rows = min(rows, learner.sft_max_rows or rows)
+    if learner.sft_until:
+        until = ", ".join(f"{n} {v:.2f}" for n, v in learner.sft_until.items())
         _say(f"[3/5] SFT warm start: {rows} demonstrations, until the held-out skills reach "
              f"{until}, at most {total} steps -> {sft_out}")
     else:
@@ -196,7 +235,7 @@ def prepare(cfg: RunConfig, config_file: Path, overrides: list[str], out: Path,
     bar = SftProgress(sft_out / "sft_metrics.jsonl", total)
     try:
         timings["sft_s"] = _run_phase("sft", forage_argv(
-            "learner", "sft", *conf, "--set", f"model.path={policy}",
+            "learner", "sft", *conf, *gate, "--set", f"model.path={policy}",
             "--set", f"run_dir={out}", "--data", str(world / "sft.parquet"),
             "--out", str(sft_out)), logs, follow=bar)
     finally:
@@ -206,6 +245,31 @@ def prepare(cfg: RunConfig, config_file: Path, overrides: list[str], out: Path,
         _say(warm_start_line(result))
     stamp_path.write_text(json.dumps(stamp))
     return timings, sft_out / "policy"
+
+
+# What a Hermes search call costs over `<search> … </search>` in the tiny policy's tokenizer:
+# 21 tokens of markup around the query against 3 (a call turn of the seed-0 world's
+# demonstrations is at most 36 tokens, a tags turn 23), plus the template's ~10 tokens around
+# each tool message in the response.
+TOOL_CALL_TURN_TOKENS = 16
+TOOL_CALL_RESPONSE_TOKENS = 32
+
+
+def protocol_overrides(config_file: Path, overrides: list[str]) -> list[str]:
+    """Turn budgets the demo gives the tool_calls protocol, before the user's `--set`s (which
+    win): `rollout.max_tokens_per_turn` + 16 (a turn that stops mid-call cannot act) and
+    `rollout.max_response_length` + 32 per turn. None for Search-R1's tags."""
+    cfg = load_config(config_file, overrides)
+    if cfg.rollout.protocol != "tool_calls":
+        return []
+    given = {o.split("=", 1)[0].strip().lstrip("+") for o in overrides}
+    rollout = cfg.rollout
+    extra = {
+        "rollout.max_tokens_per_turn": rollout.max_tokens_per_turn + TOOL_CALL_TURN_TOKENS,
+        "rollout.max_response_length": rollout.max_response_length
+        + TOOL_CALL_RESPONSE_TOKENS * (rollout.max_turns + 1),
+    }
+    return [f"{key}={value}" for key, value in extra.items() if key not in given]
 
 
 def rl_overrides(out: Path, policy: Path) -> list[str]:
@@ -227,9 +291,14 @@ def run_demo(out: Path, quick: bool = False, overrides: list[str] | None = None,
     started = time.monotonic()
     overrides = list(overrides or [])
     config_file = QUICK_CONFIG if quick else DEMO_CONFIG
+    budgets = protocol_overrides(config_file, overrides)
+    overrides = [*budgets, *overrides]
     cfg = load_config(config_file, overrides)
     out.mkdir(parents=True, exist_ok=True)
     _say(f"forage demo{' --quick' if quick else ''}: output in {out}")
+    if budgets:
+        _say(f"{cfg.rollout.protocol}: {', '.join(budgets)} (a Hermes call's JSON is longer "
+             "than a <search> tag)")
     if quick:
         _say(f"note: {QUICK_NOTE}")
     timings, policy = prepare(cfg, config_file, overrides, out, fresh)

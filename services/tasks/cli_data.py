@@ -31,6 +31,13 @@ def register(parser: argparse.ArgumentParser) -> None:
     synth.add_argument("--index-type", default="flat", help="retriever index type for SFT")
     synth.add_argument("--encoder", default=None, help="sentence-transformers model directory")
     synth.add_argument("--quiet", action="store_true", help="no progress bars")
+    synth.add_argument("--protocol", choices=["tags", "tool_calls"], default=None,
+                       help="how the policy acts in prompts and demonstrations: Search-R1's "
+                            "tags or Hermes tool calls (default rollout.protocol)")
+    synth.add_argument("--template", default=None,
+                       help="tool_calls: model or tokenizer directory whose chat template "
+                            "renders the demonstrations (default model.tokenizer_path or "
+                            "model.path when it exists, else the tiny policy's)")
     add_config_args(synth, required=False)
     synth.set_defaults(handler=_synth)
 
@@ -74,6 +81,12 @@ def _synth(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     setup_logging("tasks", cfg.run_id, cfg.log_level)
+    protocol = args.protocol or cfg.rollout.protocol
+    tools = tuple(cfg.rollout.tools)
+    if protocol == "tool_calls" and not all(isinstance(t, str) for t in tools):
+        print("error: tool_calls demonstrations declare built-in tools only; rollout.tools has "
+              f"{[t for t in tools if not isinstance(t, str)]}", file=sys.stderr)
+        return 2
     with result_stdout():  # libraries' prints go to stderr: stdout is the JSON alone
         summary = synthesize(
             args.out,
@@ -87,9 +100,25 @@ def _synth(args: argparse.Namespace) -> int:
             encoder=args.encoder,
             show_progress=not args.quiet,
             sft_heldout=args.sft_heldout,
+            protocol=protocol,
+            tools=tools,
+            template=(args.template or _template_dir(cfg)) if protocol == "tool_calls" else None,
         )
     print(json.dumps(summary, indent=1))
     return 0
+
+
+def _template_dir(cfg: object) -> str | None:
+    """The run's tokenizer directory when it already exists (its chat template renders the
+    demonstrations), else None (the tiny policy's template, which `forage model init` gives
+    the policy it builds after the world)."""
+    from pathlib import Path
+
+    model = getattr(cfg, "model", None)
+    source = getattr(model, "tokenizer_path", None) or getattr(model, "path", None)
+    if source and (Path(source) / "tokenizer_config.json").is_file():
+        return str(source)
+    return None
 
 
 def _generate(args: argparse.Namespace) -> int:

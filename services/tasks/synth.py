@@ -10,6 +10,12 @@ Output directory:
   sft_heldout.parquet  good-strategy demonstrations of a fixed slice of train questions kept out
                   of sft.parquet (they stay in train.parquet for RL): the SFT loop measures the
                   policy's skills on them (services/learner/sft_skills.py)
+
+`protocol="tool_calls"` (`rollout.protocol: tool_calls`; `forage data synth` takes the run
+config's): the questions' prompts ask for Hermes tool calls (services/tasks/sft.py,
+`tool_search_prompt`) and the demonstrations are written in that protocol, rendered with the
+chat template of `template` (a model or tokenizer directory; default: the tiny policy's, which
+`forage model init` builds next).
 """
 
 from __future__ import annotations
@@ -62,22 +68,39 @@ def synthesize(
     encoder: str | None = None,
     show_progress: bool = True,
     sft_heldout: int | None = None,
+    protocol: str = "tags",
+    tools: tuple[str, ...] = ("search",),
+    template: str | None = None,
 ) -> dict[str, Any]:
     """Write the world; returns a summary (counts, SFT strategy mix and accuracy)."""
+    from services.tasks.sft import PROTOCOLS, protocol_prompt
+
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"unknown protocol {protocol!r}; known: {list(PROTOCOLS)}")
+    turns = None
+    if protocol == "tool_calls" and sft:  # the template first: a bad one fails before any work
+        from services.tasks.sft import ToolTurns, template_tokenizer
+
+        turns = ToolTurns(template_tokenizer(template), tools)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     world = build_world(seed, size, hard)
     meta = world.metadata()
     write_jsonl(out / "corpus.jsonl", world.corpus)
     train, test = split_rows(world, "train"), split_rows(world, "test")
+    if protocol != "tags":
+        for row in (*train, *test):
+            row["prompt"] = protocol_prompt(row["extra_info"]["question"], protocol)
     write_rows(out / "train.parquet", train)
     write_rows(out / "test.parquet", test)
     summary: dict[str, Any] = {"out": str(out), **meta["counts"], "seed": seed, "size": size,
                                "hard": hard, "recommended_topk": world.recommended_topk}
+    if protocol != "tags":
+        summary["protocol"] = protocol
     if sft:
         topk = sft_topk or world.recommended_topk
         summary["sft"] = build_sft(out, meta, topk, sft_mix, seed, index_type, encoder,
-                                   show_progress, sft_heldout)
+                                   show_progress, sft_heldout, turns)
     meta["summary"] = summary
     tmp = out / "world.json.tmp"
     tmp.write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n")
@@ -87,7 +110,8 @@ def synthesize(
 
 def build_sft(out: Path, meta: dict[str, Any], topk: int, mix: str | dict[str, float],
               seed: int, index_type: str = "flat", encoder: str | None = None,
-              show_progress: bool = True, heldout: int | None = None) -> dict[str, Any]:
+              show_progress: bool = True, heldout: int | None = None,
+              turns: Any = None) -> dict[str, Any]:
     """Index the corpus with the real retriever (in-process) and write sft.parquet and
     sft_heldout.parquet (good demonstrations of the held-out questions)."""
     from services.retriever.build import build_index
@@ -114,10 +138,10 @@ def build_sft(out: Path, meta: dict[str, Any], topk: int, mix: str | dict[str, f
         })
     held = set(heldout_indices(len(questions), seed, heldout))
     rows = build_sft_rows([q for i, q in enumerate(questions) if i not in held], search, meta,
-                          topk, mix, seed, show_progress)
+                          topk, mix, seed, show_progress, turns)
     write_rows(out / "sft.parquet", rows)
     held_rows = build_sft_rows([questions[i] for i in sorted(held)], search, meta, topk,
-                               {"good": 1.0}, seed)
+                               {"good": 1.0}, seed, turns=turns)
     for row, index in zip(held_rows, sorted(held), strict=True):
         row["extra_info"]["index"] = index  # the question's row in train.parquet
         row["extra_info"]["split"] = "heldout"
