@@ -32,21 +32,6 @@ LONG_QUERY = " ".join(["Brixol"] * 7)  # 48 characters, over the strict server's
 LONG_SEARCH = f"<think> I will search </think>\n<search> {LONG_QUERY} </search>"
 
 
-def scripted(engine, scripts: list[list[str]]) -> None:
-    """Force each sample's turns: sample i plays scripts[i], turn t its t-th text."""
-    encoded = [[engine.tokenizer.encode(t, add_special_tokens=False) for t in s]
-               for s in scripts]
-
-    def forced(request):
-        if request.tag[0] != "turn":
-            return None
-        state = request.tag[1]
-        texts = encoded[state.index % len(encoded)]
-        return texts[min(len(state.turns), len(texts) - 1)]
-
-    engine.forced_tokens = forced
-
-
 def group(n: int) -> PromptGroup:
     return PromptGroup(uid="g1", data_source="nq", ground_truth={"target": ["Corvale"]}, n=n,
                        prompt=[{"role": "user", "content": "Where was Brixol born?"}])
@@ -118,7 +103,7 @@ def same_answer(got, want) -> bool:
 
 @pytest.mark.parametrize("scheduling", ["lockstep", "continuous"])
 def test_empty_search_is_retrieved_like_search_r1_and_the_batch_is_unharmed(
-        engine, retriever_url, scheduling):
+        engine, retriever_url, scheduling, scripted):
     scripted(engine, [[EMPTY_SEARCH, TURN_ANSWER], [TURN_SEARCH, TURN_ANSWER], [TURN_ANSWER]])
     trajs = loop(engine, retriever_url, scheduling=scheduling).run([group(n=3)])
     assert [t.finish_reason for t in trajs] == ["answer", "answer", "answer"]
@@ -131,7 +116,8 @@ def test_empty_search_is_retrieved_like_search_r1_and_the_batch_is_unharmed(
                                                                          "Brixol"))]
 
 
-def test_a_refused_query_gets_an_observation_and_only_its_trajectory_sees_it(engine, strict_url):
+def test_a_refused_query_gets_an_observation_and_only_its_trajectory_sees_it(engine, strict_url,
+                                                                            scripted):
     """3 searches in one call to a server that takes 2 per request (413: split) and refuses
     the long query (422: that query alone gets `Search failed`)."""
     scripted(engine, [[LONG_SEARCH, TURN_ANSWER], [TURN_SEARCH, TURN_ANSWER],

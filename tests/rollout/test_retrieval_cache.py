@@ -35,21 +35,6 @@ SEARCH = "<think> I need {0} </think>\n<search> {0} </search>"
 ANSWER = "<think> done </think>\n<answer> Corvale </answer>"
 
 
-def scripted(engine, scripts: list[list[str]]) -> None:
-    """Sample i plays scripts[i], turn t its t-th text."""
-    encoded = [[engine.tokenizer.encode(t, add_special_tokens=False) for t in s]
-               for s in scripts]
-
-    def forced(request):
-        if request.tag[0] != "turn":
-            return None
-        state = request.tag[1]
-        texts = encoded[state.index % len(encoded)]
-        return texts[min(len(state.turns), len(texts) - 1)]
-
-    engine.forced_tokens = forced
-
-
 def group(n: int) -> PromptGroup:
     return PromptGroup(uid="g1", data_source="nq", ground_truth={"target": ["Corvale"]}, n=n,
                        prompt=[{"role": "user", "content": "Where was Brixol born?"}])
@@ -80,7 +65,7 @@ def served_index(tmp_path_factory) -> Path:
     return found[0].parent
 
 
-def play(engine, retriever, scripts) -> list:
+def play(engine, retriever, scripts, scripted) -> list:
     scripted(engine, scripts)
     loop = AgentLoop(engine, LoopSettings(scheduling="lockstep"), retriever)
     try:
@@ -89,14 +74,14 @@ def play(engine, retriever, scripts) -> list:
         loop.close()
 
 
-def test_record_then_replay_on_a_real_retriever(engine, retriever_url, dead_retriever_url,
-                                                tmp_path, tmp_path_factory):
+def test_record_then_replay_on_a_real_retriever(engine, scripted, retriever_url,
+                                                dead_retriever_url, tmp_path, tmp_path_factory):
     index = served_index(tmp_path_factory)
     db = tmp_path / "retrieval.sqlite"
     client = RetrieverClient(retriever_url, topk=2, timeout_s=10, retries=1, backoff_s=0.01)
     recording = open_cache(config("record", db, index, retriever_url), client)
     scripts = [[SEARCH.format("Brixol"), ANSWER], [SEARCH.format("Tamra"), ANSWER], [ANSWER]]
-    recorded = play(engine, recording, scripts)
+    recorded = play(engine, recording, scripts, scripted)
     recording.close()
     assert [t.finish_reason for t in recorded] == ["answer"] * 3
     assert [t.num_searches for t in recorded] == [1, 1, 0]
@@ -113,11 +98,11 @@ def test_record_then_replay_on_a_real_retriever(engine, retriever_url, dead_retr
 
     # Replay: the retriever is never asked (the URL has nobody behind it), same tokens.
     replaying = open_cache(config("replay", db, index, dead_retriever_url), None)
-    replayed = play(engine, replaying, scripts)
+    replayed = play(engine, replaying, scripts, scripted)
     assert [t.response_ids.tolist() for t in replayed] == \
         [t.response_ids.tolist() for t in recorded]
     # A query the store lacks fails its own trajectory (finish_reason error), not the batch.
-    missing = play(engine, replaying, [[SEARCH.format("Osric"), ANSWER], *scripts[:2]])
+    missing = play(engine, replaying, [[SEARCH.format("Osric"), ANSWER], *scripts[:2]], scripted)
     replaying.close()
     assert [t.finish_reason for t in missing] == ["error", "answer", "answer"]
     assert "'Osric'" in missing[0].error and "is not in" in missing[0].error
