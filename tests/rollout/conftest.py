@@ -17,28 +17,6 @@ def engine(tiny_policy_dir):
     return TransformersEngine.from_pretrained(str(tiny_policy_dir), max_batch_size=4, seed=0)
 
 
-def _force_scripts(engine, scripts: list[list[str]]) -> None:
-    """Force each sample's turns on `engine`: sample i plays scripts[i], turn t its t-th text
-    (the last one again past the end)."""
-    encoded = [[engine.tokenizer.encode(t, add_special_tokens=False) for t in s]
-               for s in scripts]
-
-    def forced(request):
-        if request.tag[0] != "turn":
-            return None
-        state = request.tag[1]
-        texts = encoded[state.index % len(encoded)]
-        return texts[min(len(state.turns), len(texts) - 1)]
-
-    engine.forced_tokens = forced
-
-
-@pytest.fixture()
-def scripted():
-    """`scripted(engine, scripts)`: the engine plays scripted turns (see _force_scripts)."""
-    return _force_scripts
-
-
 # ---------------------------------------------------------------- retriever
 
 CORPUS = [

@@ -18,6 +18,8 @@ from services.common.trajectory import PromptGroup
 from services.rollout.agent import AgentLoop, LoopSettings
 from services.rollout.retrieval import QueryRejected, RetrieverClient, RetrieverError
 
+from .test_agent import scripted
+
 # The same corpus as tests/rollout/conftest.py's retriever (importlib mode: no shared imports).
 CORPUS = [
     {"id": "0", "contents": '"Brixol"\nBrixol was born in Corvale. Brixol founded a company.'},
@@ -103,7 +105,7 @@ def same_answer(got, want) -> bool:
 
 @pytest.mark.parametrize("scheduling", ["lockstep", "continuous"])
 def test_empty_search_is_retrieved_like_search_r1_and_the_batch_is_unharmed(
-        engine, retriever_url, scheduling, scripted):
+        engine, retriever_url, scheduling):
     scripted(engine, [[EMPTY_SEARCH, TURN_ANSWER], [TURN_SEARCH, TURN_ANSWER], [TURN_ANSWER]])
     trajs = loop(engine, retriever_url, scheduling=scheduling).run([group(n=3)])
     assert [t.finish_reason for t in trajs] == ["answer", "answer", "answer"]
@@ -116,8 +118,7 @@ def test_empty_search_is_retrieved_like_search_r1_and_the_batch_is_unharmed(
                                                                          "Brixol"))]
 
 
-def test_a_refused_query_gets_an_observation_and_only_its_trajectory_sees_it(engine, strict_url,
-                                                                            scripted):
+def test_a_refused_query_gets_an_observation_and_only_its_trajectory_sees_it(engine, strict_url):
     """3 searches in one call to a server that takes 2 per request (413: split) and refuses
     the long query (422: that query alone gets `Search failed`)."""
     scripted(engine, [[LONG_SEARCH, TURN_ANSWER], [TURN_SEARCH, TURN_ANSWER],

@@ -30,6 +30,8 @@ from services.rollout.agent import AgentLoop, LoopSettings
 from services.rollout.retrieval import RetrieverClient
 from services.rollout.retrieval_cache import RetrievalCacheError, open_cache
 
+from .test_agent import scripted
+
 REPO = Path(__file__).resolve().parents[2]
 SEARCH = "<think> I need {0} </think>\n<search> {0} </search>"
 ANSWER = "<think> done </think>\n<answer> Corvale </answer>"
@@ -65,7 +67,7 @@ def served_index(tmp_path_factory) -> Path:
     return found[0].parent
 
 
-def play(engine, retriever, scripts, scripted) -> list:
+def play(engine, retriever, scripts) -> list:
     scripted(engine, scripts)
     loop = AgentLoop(engine, LoopSettings(scheduling="lockstep"), retriever)
     try:
@@ -74,14 +76,14 @@ def play(engine, retriever, scripts, scripted) -> list:
         loop.close()
 
 
-def test_record_then_replay_on_a_real_retriever(engine, scripted, retriever_url,
-                                                dead_retriever_url, tmp_path, tmp_path_factory):
+def test_record_then_replay_on_a_real_retriever(engine, retriever_url, dead_retriever_url,
+                                                tmp_path, tmp_path_factory):
     index = served_index(tmp_path_factory)
     db = tmp_path / "retrieval.sqlite"
     client = RetrieverClient(retriever_url, topk=2, timeout_s=10, retries=1, backoff_s=0.01)
     recording = open_cache(config("record", db, index, retriever_url), client)
     scripts = [[SEARCH.format("Brixol"), ANSWER], [SEARCH.format("Tamra"), ANSWER], [ANSWER]]
-    recorded = play(engine, recording, scripts, scripted)
+    recorded = play(engine, recording, scripts)
     recording.close()
     assert [t.finish_reason for t in recorded] == ["answer"] * 3
     assert [t.num_searches for t in recorded] == [1, 1, 0]
@@ -98,11 +100,11 @@ def test_record_then_replay_on_a_real_retriever(engine, scripted, retriever_url,
 
     # Replay: the retriever is never asked (the URL has nobody behind it), same tokens.
     replaying = open_cache(config("replay", db, index, dead_retriever_url), None)
-    replayed = play(engine, replaying, scripts, scripted)
+    replayed = play(engine, replaying, scripts)
     assert [t.response_ids.tolist() for t in replayed] == \
         [t.response_ids.tolist() for t in recorded]
     # A query the store lacks fails its own trajectory (finish_reason error), not the batch.
-    missing = play(engine, replaying, [[SEARCH.format("Osric"), ANSWER], *scripts[:2]], scripted)
+    missing = play(engine, replaying, [[SEARCH.format("Osric"), ANSWER], *scripts[:2]])
     replaying.close()
     assert [t.finish_reason for t in missing] == ["error", "answer", "answer"]
     assert "'Osric'" in missing[0].error and "is not in" in missing[0].error
