@@ -73,18 +73,9 @@ def rebuild(prompt_ids: Sequence[int], response_ids: Sequence[int], cut: int,
             suffix: Sequence[int]) -> list[int]:
     """prompt + response[:cut] + suffix, with every run that starts before the cut replaced by
     `replacement` (None: kept). Pure token concatenation: the policy's own tokens are reused."""
-    response = list(response_ids)
-    out = list(prompt_ids)
-    position = 0
-    for start, end in runs:
-        if start >= cut:
-            break
-        if replacement is None:
-            continue
-        out += response[position:start] + list(replacement)
-        position = min(end, cut)
-    out += response[position:cut] + list(suffix)
-    return out
+    if replacement is None:
+        return list(prompt_ids) + list(response_ids[:cut]) + list(suffix)
+    return rebuild_each(prompt_ids, response_ids, cut, runs, [replacement] * len(runs), suffix)
 
 
 def rebuild_each(prompt_ids: Sequence[int], response_ids: Sequence[int], cut: int,
