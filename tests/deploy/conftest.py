@@ -63,7 +63,6 @@ class ImageBuild:
         self.engine: Any = None
         self.engine_error: str | None = None
         self.build_error: str | None = None
-        self.engine_ready = threading.Event()
         self._cancelled = threading.Event()
         self._child: subprocess.Popen | None = None
         self._thread = threading.Thread(target=self._run, name="forage-image-build",
@@ -84,8 +83,6 @@ class ImageBuild:
                 self.engine_error = f"{type(error).__name__}: {error}"
         except Exception as error:  # noqa: BLE001
             self.engine_error = f"{type(error).__name__}: {error}"
-        finally:
-            self.engine_ready.set()
         if self.engine is None:
             return
         env = dict(os.environ, **self.engine.env)
