@@ -97,27 +97,6 @@ def _protocol_stamp(cfg: RunConfig) -> dict[str, Any]:
     return {"protocol": rollout["protocol"], "tools": rollout.get("tools")}
 
 
-# Skills the SFT gate can read per protocol. services/learner/sft_skills.py reads the first
-# turn's format and the copied query from Search-R1's <search> turns only; the answer skill
-# (the final turn after the last observation, an <answer>) reads the same in both protocols.
-GATE_SKILLS: dict[str, tuple[str, ...] | None] = {"tags": None, "tool_calls": ("answer",)}
-
-
-def sft_learner(cfg: RunConfig) -> Any:
-    """The learner settings the SFT phase runs with: the run's, with `learner.sft_until`
-    narrowed to the skills the gate can read in the run's protocol (with tool calls a
-    threshold on format or query could never be reached and SFT would always run to its
-    cap). Unchanged with tags."""
-    learner = cfg.learner
-    readable = GATE_SKILLS.get(str(getattr(cfg.rollout, "protocol", "tags")))
-    if readable is None or not learner.sft_until:
-        return learner
-    kept = {k: v for k, v in learner.sft_until.items() if k in readable}
-    if kept == dict(learner.sft_until):
-        return learner
-    return learner.model_copy(update={"sft_until": kept or None})
-
-
 def _skills_text(skills: dict[str, Any], thresholds: dict[str, float] | None) -> str:
     names = list(thresholds) if thresholds else [
         s for s in ("format", "query", "answer") if s in skills]
@@ -217,13 +196,7 @@ def prepare(cfg: RunConfig, config_file: Path, overrides: list[str], out: Path,
     import pyarrow.parquet as pq
 
     rows = pq.read_metadata(str(world / "sft.parquet")).num_rows
-    learner = sft_learner(cfg)
-    gate: list[str] = []
-    if learner.sft_until != cfg.learner.sft_until:
-        gate = ["--set", f"learner.sft_until={json.dumps(learner.sft_until)}"]
-        _say(f"      {cfg.rollout.protocol}: the SFT gate reads the "
-             f"{', '.join(learner.sft_until or {}) or 'no'} skill(s) only (format and query "
-             "are measured on Search-R1 tag turns)")
+    learner = cfg.learner
     total = learner.sft_step_budget(rows)
     rows = min(rows, learner.sft_max_rows or rows)
     if learner.sft_until:
@@ -235,7 +208,7 @@ def prepare(cfg: RunConfig, config_file: Path, overrides: list[str], out: Path,
     bar = SftProgress(sft_out / "sft_metrics.jsonl", total)
     try:
         timings["sft_s"] = _run_phase("sft", forage_argv(
-            "learner", "sft", *conf, *gate, "--set", f"model.path={policy}",
+            "learner", "sft", *conf, "--set", f"model.path={policy}",
             "--set", f"run_dir={out}", "--data", str(world / "sft.parquet"),
             "--out", str(sft_out)), logs, follow=bar)
     finally:

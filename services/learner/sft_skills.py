@@ -19,6 +19,16 @@ SFT set (`sft_heldout.parquet`, written by `forage data synth`):
   (normalised as the scorer's EM); only demonstrations whose answer is right count.
 Prefixes are token ids built as SFT and the agent loop build them (prompt via the chat template,
 then each segment tokenised on its own), so a prefix is exactly what the policy sees live.
+
+In the tool_calls protocol (a demonstration whose `extra_info.protocol` is `tool_calls`) the
+same four skills are read from Hermes calls (docs/rollout.md, "Tool calls"):
+- format: the first turn, cut after its first `</tool_call>` or `</answer>`, is what the
+  format reward counts as a well-formed turn (`turn_format`: an optional think block, then one
+  well-formed call of a built-in tool, or one answer).
+- first_query: that turn calls `search` with exactly the demonstration's first query.
+- query: teacher-forced up to and including the call's `"query": "` (the opening of the
+  query's JSON string), the continuation closes a call whose `query` is the demonstration's.
+- answer: as in the tags protocol (the final turn's `<answer>`).
 """
 
 from __future__ import annotations
@@ -36,9 +46,23 @@ from services.common.formats import (
     parse_action,
 )
 from services.common.skill_gate import SKILLS
+from services.common.tool_calls import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    ToolCall,
+    after_reasoning,
+    parse_call,
+    parse_turn,
+    turn_format,
+)
+from services.common.tools import TOOL_REGISTRY
 
 SEARCH_OPEN = "<search>"
 SEARCH_CLOSE = "</search>"
+TAGS, TOOL_CALLS = "tags", "tool_calls"
+# Where a tool_calls query item's teacher-forced head ends: the opening quote of the query's
+# JSON string, as `json.dumps` writes the demonstrations' calls (services/tasks/sft.py).
+QUERY_OPENING = '"query": "'
 
 # A turn is `<think> … </think>` then one action; no tag inside either (a tag there means the
 # policy is emitting markup, not reasoning).
@@ -78,6 +102,42 @@ def answered(turn: str) -> str | None:
     return action[1] if action is not None and action[0] == "answer" else None
 
 
+def cut_tool_turn(text: str) -> str:
+    """A tool_calls turn as the rollout's stop strings end it: after its first `</tool_call>`
+    or `</answer>`, whichever comes first (the end-of-turn token is dropped in decoding)."""
+    ends = [at + len(stop) for stop in (TOOL_CALL_CLOSE, "</answer>")
+            if (at := text.find(stop)) != -1]
+    return text[: min(ends)] if ends else text
+
+
+def called_query(turn: str) -> str | None:
+    """The query of a tool_calls turn's first action when that action is a well-formed
+    `search` call (after any leading think block), else None."""
+    body = after_reasoning(cut_tool_turn(turn)).lstrip()
+    if not body.startswith(TOOL_CALL_OPEN) or TOOL_CALL_CLOSE not in body:
+        return None
+    inner = body[len(TOOL_CALL_OPEN): body.index(TOOL_CALL_CLOSE)]
+    call = parse_call(inner, TOOL_REGISTRY)
+    if not isinstance(call, ToolCall) or call.name != "search":
+        return None
+    return str(call.arguments.get("query", "")).strip()
+
+
+def score_tool_item(kind: str, generated: str, target: str, head: str = "") -> dict[str, bool]:
+    """`score_item` for the tool_calls protocol; `head` is a query item's teacher-forced text
+    (from the turn's start to the query's opening quote)."""
+    if kind == "prompt":
+        query = called_query(generated)
+        return {"format": turn_format(cut_tool_turn(generated), None) is not None,
+                "first_query": query is not None and query == target.strip()}
+    if kind == "query":
+        return {"query": called_query(head + generated) == target.strip()}
+    if kind == "answer":  # read as the rollout reads it: an answer that closes before any call
+        got = parse_turn(cut_tool_turn(generated), list(TOOL_REGISTRY.values())).answer
+        return {"answer": got is not None and normalize_answer(got) == normalize_answer(target)}
+    raise ValueError(f"unknown skill item kind {kind!r}")
+
+
 def score_item(kind: str, generated: str, target: str) -> dict[str, bool]:
     """Which skills one generated text shows; `kind` is the item's kind (see `SkillItem`)."""
     if kind == "prompt":
@@ -113,6 +173,14 @@ class SkillItem:
     kind: str
     prefix: tuple[int, ...]
     target: str
+    protocol: str = TAGS
+    head: str = ""  # tool_calls query items: the turn's text the prefix ends with
+
+    def score(self, generated: str) -> dict[str, bool]:
+        """The skills `generated` (this item's greedy continuation) shows."""
+        if self.protocol == TOOL_CALLS:
+            return score_tool_item(self.kind, generated, self.target, self.head)
+        return score_item(self.kind, generated, self.target)
 
 
 def _ids(tokenizer: Any, text: str) -> list[int]:
@@ -120,13 +188,16 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
 
 
 def build_items(tokenizer: Any, prompt: Any, segments: Sequence[Mapping[str, Any]],
-                answer: str | None) -> tuple[list[SkillItem], int]:
-    """The items of one good demonstration, and how many `<search>` splits did not tokenise as
-    a prefix of the whole turn (then the split's own tokens are used: what a policy that wrote
-    the text up to `<search>` would have produced). `answer` None: no answer item (the
-    demonstration guessed)."""
+                answer: str | None, protocol: str = TAGS) -> tuple[list[SkillItem], int]:
+    """The items of one good demonstration, and how many query splits (at `<search>`, or at
+    the call's `"query": "` in the tool_calls protocol) did not tokenise as a prefix of the
+    whole turn (then the split's own tokens are used: what a policy that wrote the text up to
+    the split would have produced). `answer` None: no answer item (the demonstration
+    guessed)."""
     from services.learner.sft import encode_prompt
 
+    if protocol not in (TAGS, TOOL_CALLS):
+        raise ValueError(f"unknown protocol {protocol!r}; known: {[TAGS, TOOL_CALLS]}")
     prompt_ids = encode_prompt(tokenizer, prompt)
     items: list[SkillItem] = []
     mismatches = 0
@@ -137,19 +208,37 @@ def build_items(tokenizer: Any, prompt: Any, segments: Sequence[Mapping[str, Any
         text = str(segment["text"])
         piece = _ids(tokenizer, text)
         if segment.get("trainable"):
-            query = searched_query(text)
+            query, head = _query_split(text, protocol)
             if query is not None:
                 first_query = query if first_query is None else first_query
-                head = text[: text.index(SEARCH_OPEN) + len(SEARCH_OPEN)]
+            if query is not None and head is not None:
                 head_ids = _ids(tokenizer, head)
                 if piece[: len(head_ids)] != head_ids:
                     mismatches += 1
-                items.append(SkillItem("query", tuple(context + head_ids), query))
-            elif index == last_turn and answer is not None and answered(text) is not None:
-                items.append(SkillItem("answer", tuple(context), answer))
+                items.append(SkillItem("query", tuple(context + head_ids), query, protocol,
+                                       head if protocol == TOOL_CALLS else ""))
+            elif (query is None and index == last_turn and answer is not None
+                  and answered(text) is not None):
+                items.append(SkillItem("answer", tuple(context), answer, protocol))
         context.extend(piece)
-    items.insert(0, SkillItem("prompt", tuple(prompt_ids), first_query or ""))
+    items.insert(0, SkillItem("prompt", tuple(prompt_ids), first_query or "", protocol))
     return items, mismatches
+
+
+def _query_split(text: str, protocol: str) -> tuple[str | None, str | None]:
+    """(the query a demonstration turn searches, the turn's text up to where the query item's
+    continuation starts); (None, None) for a turn that does not search, (query, None) for a
+    call whose JSON does not open the query as `json.dumps` writes it (no query item)."""
+    if protocol == TAGS:
+        query = searched_query(text)
+        if query is None:
+            return None, None
+        return query, text[: text.index(SEARCH_OPEN) + len(SEARCH_OPEN)]
+    query = called_query(text)
+    if query is None:
+        return None, None
+    at = text.find(QUERY_OPENING, text.find(TOOL_CALL_OPEN))
+    return query, (None if at == -1 else text[: at + len(QUERY_OPENING)])
 
 
 def load_items(path: str, tokenizer: Any, max_length: int) -> tuple[list[SkillItem], int]:
@@ -171,7 +260,8 @@ def load_items(path: str, tokenizer: Any, max_length: int) -> tuple[list[SkillIt
         answer = extra.get("answer") if extra.get("correct", True) else None
         if answer is None and extra.get("correct", True):
             answer = _gold_from_segments(_as_python(segs))
-        row_items, bad = build_items(tokenizer, _as_python(prompt), _as_python(segs), answer)
+        row_items, bad = build_items(tokenizer, _as_python(prompt), _as_python(segs), answer,
+                                     str(extra.get("protocol") or TAGS))
         mismatches += bad
         items.extend(i for i in row_items if len(i.prefix) < max_length)
     return items, mismatches
@@ -193,7 +283,7 @@ def stop_token_ids(tokenizer: Any) -> list[int]:
     for token in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")):
         if isinstance(token, int) and token != tokenizer.unk_token_id:
             ids.add(token)
-    for stop in STOP_STRINGS:
+    for stop in (*STOP_STRINGS, TOOL_CALL_CLOSE):
         piece = _ids(tokenizer, stop)
         if len(piece) == 1:
             ids.add(piece[0])
@@ -250,7 +340,6 @@ def measure(model: Any, tokenizer: Any, items: Sequence[SkillItem], max_new_toke
     finally:
         model.train(was_training)
     texts = tokenizer.batch_decode(outputs, skip_special_tokens=True)
-    skills = aggregate([score_item(i.kind, text, i.target) for i, text in zip(items, texts,
-                                                                             strict=True)])
+    skills = aggregate([item.score(text) for item, text in zip(items, texts, strict=True)])
     skills["seconds"] = time.perf_counter() - started
     return skills
