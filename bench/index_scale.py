@@ -3,6 +3,7 @@
     .venv/bin/python bench/index_scale.py [--n 1000000] [--quick] [--dim 384]
         [--kinds flat,hnsw,ivf,ivf-sq8,ivf-sqfp16,ivf-pq,hnsw-sq8] [--threads 1]
         [--kinds "flat;IVF*,SQ4;PCAR384,IVF*,SQ8"] [--budget-gb 8]
+        [--kinds "flat;IVF*,PQ96+refine"] [--k-factor 10]
 
 `--kinds` also takes FAISS factory strings, separated by ';'; `IVF*` in one stands for the
 nlist build-index picks for the rows (so the projection uses wiki-18's nlist).
@@ -34,6 +35,13 @@ picks for 21M rows) and codebooks (PQ: 256 × d' × 4; SQ: 2 × d' × 4, d' the 
 PCA reduction), plus a PCA (d' × d + d × d floats) or OPQ (d × d) matrix. The `rule/disk`
 column applies the same rule at this N and d and divides it by the file's bytes.
 
+A kind ending in `+refine` is the kind built with `build-index --refine`: searched for
+k-factor × 10 candidates, re-ranked by exact inner products from the float32 vectors
+memory-mapped from a `.npy` file on disk (services/retriever/indexes.py, `rerank_exact`, as
+the server does). Its projected bytes are what it holds in memory (the compressed index);
+the re-ranking vectors stay on disk: 21M × 768 × 4 bytes = 64.6 GB for wiki-18, reported
+apart (`refine_disk_bytes` in --json).
+
 Last line: the kind with the least projected bytes among those with recall@10 ≥ 0.95; with
 `--budget-gb B`, also the kind with the best recall@10 (≥ 0.95) projected within B × 10^9 bytes.
 """
@@ -57,12 +65,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from services.retriever.indexes import (  # noqa: E402
+    DEFAULT_K_FACTOR,
     _nlist,
     build_dense,
     build_factory,
     default_params,
     factory_for,
     mmap_flag,
+    open_refine,
+    rerank_exact,
 )
 
 KINDS = ("flat", "hnsw", "ivf", "ivf-sq8", "ivf-sqfp16", "ivf-pq", "hnsw-sq8")
@@ -115,6 +126,21 @@ def build(kind: str, vectors: np.ndarray):
         return build_dense(kind, vectors, params), params
     params = default_params(sized(kind, rows), rows, dim)
     return build_factory(str(params["factory"]), vectors, params), params
+
+
+REFINE = "+refine"
+
+
+class Refined:
+    """A built index searched as a `--refine` build serves it: k_factor × k candidates from
+    the compressed index, re-ranked exactly from `vectors` (a memmap of the corpus)."""
+
+    def __init__(self, index, vectors: np.ndarray, k_factor: int) -> None:
+        self.index, self.vectors, self.k_factor = index, vectors, k_factor
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        _, rows = self.index.search(queries, min(k * self.k_factor, self.index.ntotal))
+        return rerank_exact(self.vectors, queries, rows, k)
 
 
 def serving_memory(path: Path, flag: int) -> dict[str, float]:
@@ -210,6 +236,10 @@ def main() -> int:
     parser.add_argument("--budget-gb", type=float, default=None,
                         help="also name the kind with the best recall@10 (>= 0.95) whose "
                         "projected 21M x 768 bytes are within this many GB (10^9 bytes)")
+    parser.add_argument("--k-factor", type=int, default=DEFAULT_K_FACTOR,
+                        help=f"candidates per result of +refine kinds ({DEFAULT_K_FACTOR})")
+    parser.add_argument("--qps-seconds", type=float, default=3.0,
+                        help="seconds each queries/s measurement runs (3)")
     parser.add_argument("--json", type=Path, default=None, help="also write rows here")
     args = parser.parse_args()
     n = 50_000 if args.quick else args.n
@@ -234,11 +264,20 @@ def main() -> int:
     rows_out: list[dict] = []
     truth = None
     with tempfile.TemporaryDirectory(prefix="index-scale-") as tmp:
+        refine_vectors = None
         for kind in kinds:
             faiss.omp_set_num_threads(args.build_threads)
+            refined, kind_name = kind.endswith(REFINE), kind
+            kind = kind.removesuffix(REFINE)
             t0 = time.perf_counter()
             index, params = build(kind, corpus)
             build_s = time.perf_counter() - t0
+            searched = index
+            if refined:
+                if refine_vectors is None:  # the build's embeddings file, kept on disk
+                    np.save(Path(tmp) / "refine.npy", corpus)
+                    refine_vectors = open_refine(Path(tmp) / "refine.npy", n, args.dim)
+                searched = Refined(index, refine_vectors, args.k_factor)
             path = Path(tmp) / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', kind)}.faiss"
             faiss.write_index(index, str(path))
             disk = path.stat().st_size
@@ -248,36 +287,39 @@ def main() -> int:
             except (ValueError, subprocess.CalledProcessError):  # a kind FAISS cannot map
                 mapped = None
             faiss.omp_set_num_threads(args.threads)
-            found = index.search(queries, 10)[1]
+            found = searched.search(queries, 10)[1]
             if truth is None:
                 truth = found
             r1, r10 = recall(found, truth)
-            qps1 = queries_per_second(index, queries[:300], 1)
-            qps32 = queries_per_second(index, queries, 32)
+            qps1 = queries_per_second(searched, queries[:300], 1, args.qps_seconds)
+            qps32 = queries_per_second(searched, queries, 32, args.qps_seconds)
             graph = graph_bytes_per_vector(index)
             factory = factory_of(kind, n, args.dim)
             rule_here = rule_bytes(factory, n, args.dim, graph)
             projected = rule_bytes(factory_of(kind, WIKI_ROWS, WIKI_DIM), WIKI_ROWS, WIKI_DIM,
                                    graph)
+            if refined:
+                factory += f" + refine ×{args.k_factor}"
             row = {
-                "kind": kind, "factory": params.get("factory", kind), "build_s": build_s,
+                "kind": kind_name, "factory": params.get("factory", kind), "build_s": build_s,
                 "disk_bytes": disk, "rss": plain["rss"], "private": plain["private"],
                 "load_s": plain["load_s"], "mmap_rss": mapped["rss"] if mapped else None,
                 "mmap_private": mapped["private"] if mapped else None,
                 "mmap_load_s": mapped["load_s"] if mapped else None,
                 "qps1": qps1, "qps32": qps32, "recall1": r1, "recall10": r10,
                 "rule_over_disk": rule_here / disk, "projected_bytes": projected,
+                "refine_disk_bytes": WIKI_ROWS * WIKI_DIM * 4 if refined else 0,
             }
             row["factory"] = factory
             rows_out.append(row)
             mmap_cells = (f"{mapped['rss'] / 1e6:.0f} ({mapped['private'] / 1e6:.0f}) "
                           f"| {mapped['load_s']:.3f}" if mapped else "– | –")
-            print(f"| {kind} | {factory} | {build_s:.1f} | {disk / 1e6:.1f} "
+            print(f"| {kind_name} | {factory} | {build_s:.1f} | {disk / 1e6:.1f} "
                   f"| {plain['rss'] / 1e6:.0f} ({plain['private'] / 1e6:.0f}) "
                   f"| {plain['load_s']:.3f} | {mmap_cells} ", end="")
             print(f"| {qps1:.0f} | {qps32:.0f} | {r1:.3f} | {r10:.3f} "
                   f"| {rule_here / disk:.3f} | {projected / 1e9:.1f} |", flush=True)
-            del index
+            del index, searched
     if args.json:
         args.json.write_text(json.dumps(rows_out, indent=2) + "\n")
     good = [r for r in rows_out if r["recall10"] >= 0.95]

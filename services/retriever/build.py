@@ -37,6 +37,7 @@ from services.retriever.indexes import (
     BM25_DIR,
     FAISS_FILE,
     NAMED_TYPES,
+    REFINE_FILE,
     BM25Index,
     IndexSpecError,
     build_dense,
@@ -45,6 +46,7 @@ from services.retriever.indexes import (
     default_params,
     is_dense,
     is_factory,
+    refine_params,
 )
 from services.retriever.manifest import (
     FORMAT_VERSION,
@@ -81,6 +83,8 @@ def build_index(
     show_progress: bool = True,
     params: dict[str, int | str] | None = None,
     checkpoint_rows: int | None = None,
+    refine: bool = False,
+    k_factor: int | None = None,
 ) -> Path:
     """Build (or reuse) the index of `corpus` in `out_dir` and return `out_dir`.
 
@@ -88,7 +92,8 @@ def build_index(
     ivf-sqfp16, hnsw-sq8) or a FAISS index-factory string ("IVF4096,PQ64").
     `params` overrides index knobs (hnsw_m, ef_construction, ef_search, nlist, nprobe;
     train_size, train_seed for factory kinds); `checkpoint_rows` is how often an interrupted
-    build can resume (default 16 batches).
+    build can resume (default 16 batches). `refine` keeps the float32 embeddings beside a
+    compressed index for exact re-ranking of `k_factor` × k candidates (indexes.py).
     """
     if not isinstance(index_type, str) or not index_type.strip():
         raise BuildError(f"index type {index_type!r}: give one of {', '.join(NAMED_TYPES)} "
@@ -98,6 +103,10 @@ def build_index(
     corpus, out_dir = Path(corpus).resolve(), Path(out_dir).resolve()
     dense = is_dense(index_type)
     started = time.monotonic()
+    try:
+        reranking = refine_params(index_type, refine, k_factor)
+    except ValueError as exc:
+        raise BuildError(str(exc)) from None
     factory_dim = None
     model = None
     if is_factory(index_type):
@@ -119,7 +128,7 @@ def build_index(
         raise CorpusError(f"corpus {corpus} has no rows")
     try:
         index_params = {**default_params(index_type, stats.rows, factory_dim, params),
-                        **(params or {})}
+                        **(params or {}), **reranking}
     except ValueError as exc:
         raise BuildError(f"--index {index_type!r}: {exc}") from None
     stage_key: dict[str, Any] = {
@@ -178,6 +187,9 @@ def build_index(
                 faiss.write_index(index, str(stage / FAISS_FILE))
                 del index, vectors
                 files[FAISS_FILE] = (stage / FAISS_FILE).stat().st_size
+                if reranking:  # the embeddings become the re-ranking matrix: no copy
+                    os.replace(stage / EMBEDDINGS_FILE, stage / REFINE_FILE)
+                    files[REFINE_FILE] = (stage / REFINE_FILE).stat().st_size
             else:
                 bm25 = BM25Index.build(_docstore_texts(stage), stats.rows, show_progress)
                 bm25.save(stage / BM25_DIR)

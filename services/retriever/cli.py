@@ -48,6 +48,11 @@ def register(parser: argparse.ArgumentParser) -> None:
                        "30·256 for PQ, 10000), at most 2^20)")
     build.add_argument("--train-seed", type=int, default=None,
                        help="seed of that sample (0)")
+    build.add_argument("--refine", action="store_true",
+                       help="compressed kinds: keep the float32 vectors on disk and re-rank "
+                       "k-factor x topk candidates exactly (docs/retriever.md)")
+    build.add_argument("--k-factor", type=int, default=None,
+                       help="candidates per result re-ranked with --refine (10)")
     build.add_argument("--no-progress", action="store_true", help="no progress bars")
     build.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (INFO)")
     build.set_defaults(handler=_build)
@@ -121,6 +126,7 @@ def _build(args: argparse.Namespace) -> int:
             query_prefix=args.query_prefix, passage_prefix=args.passage_prefix,
             batch_size=args.batch_size, device=args.device,
             show_progress=not args.no_progress, params=params or None,
+            refine=args.refine, k_factor=args.k_factor,
         )
     except (BuildError, CorpusError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -17,6 +17,13 @@ filled in streamed chunks. Query-time knobs (nprobe, efSearch) are found on the 
 itself (`search_knobs`), so they work for any factory string, and per-request values are
 passed as FAISS SearchParameters rather than set on the shared index, because the server's
 workers search the same index object concurrently.
+
+Exact re-ranking (`refine`): a compressed kind built with `build-index --refine` keeps the
+build's float32 embedding matrix beside the index (`refine.npy`, memory-mapped at serve time,
+never read into memory). A search then asks the compressed index for `k_factor` × k
+candidates and re-ranks them by their exact inner product (`rerank_exact`), so the scores and
+order are the flat index's whenever the true top-k is among the candidates. Memory holds the
+compressed codes; the full vectors stay on disk and only the candidates' rows are read.
 """
 
 from __future__ import annotations
@@ -41,6 +48,12 @@ ADD_CHUNK = 65536
 # Training sample cap: 1 Mi vectors is 3 GiB at 768-d fp32, and k-means gains little beyond.
 MAX_TRAIN = 1 << 20
 TRAIN_SEED = 0
+# Exact re-ranking from the embedding matrix kept on disk (module docstring).
+REFINE_FILE = "refine.npy"
+DEFAULT_K_FACTOR = 10
+# Kinds whose codes are the vectors themselves: re-ranking them with the same vectors changes
+# nothing and only costs the disk.
+EXACT_KINDS = ("flat", "hnsw", "ivf")
 
 
 class IndexSpecError(ValueError):
@@ -158,6 +171,63 @@ def default_params(index_type: str, rows: int, dim: int | None = None,
                10_000)
     params.update(train_size=min(rows, need, MAX_TRAIN), train_seed=TRAIN_SEED)
     return params
+
+
+def refine_params(index_type: str, refine: bool, k_factor: int | None
+                  ) -> dict[str, int | str]:
+    """The manifest params of exact re-ranking: {} without `refine`; a ValueError naming the
+    problem for a kind that would gain nothing (exact codes, BM25) or a k_factor < 1, or a
+    k_factor given without `refine`."""
+    if not refine:
+        if k_factor is not None:
+            raise ValueError("--k-factor is the re-ranking depth of --refine; add --refine or "
+                             "drop --k-factor")
+        return {}
+    if not is_dense(index_type):
+        raise ValueError("--refine re-ranks dense vectors; a bm25 index has none")
+    if index_type in EXACT_KINDS or re.fullmatch(r"(HNSW\d+(,Flat)?|Flat|IVF\d+,Flat)",
+                                                 index_type):
+        raise ValueError(f"--refine re-ranks a compressed index's candidates; {index_type} "
+                         "already stores the exact vectors")
+    factor = DEFAULT_K_FACTOR if k_factor is None else int(k_factor)
+    if factor < 1:
+        raise ValueError(f"--k-factor {factor}: at least 1 candidate per result is needed")
+    return {"refine": "flat", "k_factor": factor}
+
+
+def rerank_exact(vectors: np.ndarray, queries: np.ndarray, candidates: np.ndarray, k: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, rows), each n × k, best first: the candidates of each query (rows of
+    `vectors`, -1 = none, as FAISS pads) re-scored by their exact inner product with the
+    query; -1 / -inf where a query had fewer than k candidates. `vectors` may be a memmap:
+    each query reads its candidates' rows in ascending order (near rows share disk pages), and
+    equal scores keep the lower row first, as a flat index orders them."""
+    count = len(queries)
+    scores = np.full((count, k), -np.inf, dtype=np.float32)
+    rows = np.full((count, k), -1, dtype=np.int64)
+    for position in range(count):
+        found = np.unique(candidates[position][candidates[position] >= 0])
+        if not len(found):
+            continue
+        exact = np.asarray(vectors[found], dtype=np.float32) @ np.asarray(
+            queries[position], dtype=np.float32)
+        best = np.argsort(-exact, kind="stable")[:k]
+        scores[position, : len(best)] = exact[best]
+        rows[position, : len(best)] = found[best]
+    return scores, rows
+
+
+def open_refine(path: Path, count: int, dim: int) -> np.ndarray:
+    """The re-ranking matrix, memory-mapped read-only; a ValueError naming the file when it is
+    not a count × dim float32 matrix (a partial copy, another build's file)."""
+    try:
+        matrix = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot map the re-ranking vectors: {exc}") from None
+    if matrix.dtype != np.float32 or matrix.shape != (count, dim):
+        raise ValueError(f"{path}: holds a {matrix.dtype} {matrix.shape} matrix, the index needs "
+                         f"float32 ({count}, {dim})")
+    return matrix
 
 
 class DeviceError(ValueError):

@@ -15,11 +15,15 @@ import numpy as np
 from services.retriever.docstore import DocStore, DocStoreError
 from services.retriever.indexes import (
     BM25_DIR,
+    DEFAULT_K_FACTOR,
     FAISS_FILE,
+    REFINE_FILE,
     BM25Index,
     apply_search_params,
     is_dense,
     load_dense,
+    open_refine,
+    rerank_exact,
     search_knobs,
     search_parameters,
 )
@@ -104,12 +108,17 @@ def check_placement(device: str, index_type: str | None = None, *,
 
 class Searcher:
     def __init__(self, manifest: dict[str, Any], docstore: DocStore, index: Any,
-                 encoder: Any = None) -> None:
+                 encoder: Any = None, refine: np.ndarray | None = None,
+                 k_factor: int = DEFAULT_K_FACTOR) -> None:
         self.manifest = manifest
         self.index_type: str = manifest["index_type"]
         self.docstore = docstore
         self.index = index
         self.encoder = encoder
+        # Exact re-ranking (indexes.py, `rerank_exact`): the build's vectors, memory-mapped,
+        # and how many candidates per result the compressed index is asked for.
+        self.refine = refine
+        self.k_factor = k_factor
         # Which per-search knobs this index has; none on GPU, where FAISS's sharded clones
         # take no SearchParameters (set retriever.nprobe instead).
         self.knobs: frozenset[str] = frozenset()
@@ -147,6 +156,7 @@ class Searcher:
             raise IndexLoadError(str(exc)) from None
         index_type = manifest["index_type"]
         model = None
+        refine = None
         if is_dense(index_type):
             try:
                 index = load_dense(index_dir / FAISS_FILE, index_type, params, index_device,
@@ -155,6 +165,16 @@ class Searcher:
                 raise IndexLoadError(f"{index_dir / FAISS_FILE} is corrupt: {exc}") from None
             except ValueError as exc:  # a kind that cannot be mapped
                 raise IndexLoadError(str(exc)) from None
+            if overrides.get("k_factor") is not None and not params.get("refine"):
+                raise IndexLoadError(
+                    f"retriever.k_factor is set but the {index_type} index was built without "
+                    "--refine (no vectors to re-rank with); unset it or rebuild with --refine")
+            if params.get("refine"):
+                try:
+                    refine = open_refine(index_dir / REFINE_FILE, int(manifest["count"]),
+                                         int(manifest["dim"]))
+                except ValueError as exc:
+                    raise IndexLoadError(str(exc)) from None
             if index_device == "cpu" or index_device.startswith("cpu"):
                 have = search_knobs(index)
                 for knob in overrides:
@@ -197,7 +217,8 @@ class Searcher:
             raise IndexLoadError(
                 f"{index_dir}: index holds {size} vectors, manifest says {manifest['count']}"
             )
-        return cls(manifest, docstore, index, model)
+        return cls(manifest, docstore, index, model, refine,
+                   int(params.get("k_factor") or DEFAULT_K_FACTOR))
 
     def __len__(self) -> int:
         return len(self.docstore)
@@ -252,11 +273,15 @@ class Searcher:
         Per-search nprobe / efSearch go in as FAISS SearchParameters, never set on the index:
         the server's workers search this index object at the same time."""
         k = min(k, len(self))
+        fetch = k if self.refine is None else min(k * self.k_factor, len(self))
         if options is None or options == NO_OPTIONS:
-            return self.index.search(encoded, k)
-        params, keep = search_parameters(self.index, *options)
-        scores, rows = self.index.search(encoded, k, params=params)
-        del keep
+            scores, rows = self.index.search(encoded, fetch)
+        else:
+            params, keep = search_parameters(self.index, *options)
+            scores, rows = self.index.search(encoded, fetch, params=params)
+            del keep
+        if self.refine is not None:
+            return rerank_exact(self.refine, encoded, rows, k)
         return scores, rows
 
 

@@ -1,4 +1,5 @@
-"""Compressed FAISS kinds (presets and factory strings), query-time nprobe / efSearch, mmap.
+"""Compressed FAISS kinds (presets and factory strings), query-time nprobe / efSearch, mmap,
+exact re-ranking (`--refine`).
 
 Tiny corpora: IVF kinds use 4 lists, PQ 4-bit codes (16 centroids per sub-quantizer), so that
 training works on 200 vectors; FAISS warns below 39 points per centroid, which is expected.
@@ -29,9 +30,13 @@ def built(corpus, tmp_path_factory) -> dict[str, object]:
         "PCA64,IVF4,SQ8": None,  # a pre-transform (OPQ needs 256 centroids: too few rows)
         "ivf-sqfp16": {"nlist": 4},
     }
-    return {kind: build_index(corpus[0], root / kind.replace(",", "_"), kind,
-                              show_progress=False, params=params)
-            for kind, params in kinds.items()}
+    out = {kind: build_index(corpus[0], root / kind.replace(",", "_"), kind,
+                             show_progress=False, params=params)
+           for kind, params in kinds.items()}
+    out["ivf-pq refine"] = build_index(corpus[0], root / "ivf-pq-refine", "ivf-pq",
+                                       show_progress=False, params={"nlist": 4}, refine=True,
+                                       k_factor=20)
+    return out
 
 
 @pytest.mark.parametrize("kind, recall", [("ivf-pq", 0.6), ("PCA64,IVF4,SQ8", 0.5),
@@ -53,6 +58,51 @@ def test_compressed_kind_keeps_the_contract(kind, recall, built, flat_searcher):
         if not kind.startswith("PCA"):  # PCA drops dimensions: its scores are lower
             assert have[0][1] == pytest.approx(want[0][1], abs=0.15)
     assert hits / (3 * len(QUERIES)) >= recall
+
+
+def test_refine_returns_the_flat_index_s_results(built, flat_searcher):
+    """IVF-PQ with exact re-ranking: the flat index's passages, order and scores (the codes
+    alone give neither), from vectors memory-mapped off disk; the build moved its embeddings
+    into the index rather than copying them, and checksummed them."""
+    import json
+
+    refined = Searcher.load(built["ivf-pq refine"])
+    plain = Searcher.load(built["ivf-pq"])
+    assert isinstance(refined.refine, np.memmap) and refined.k_factor == 20
+    exact = flat_searcher.search(QUERIES, 3)
+    got = refined.search(QUERIES, 3)
+    assert [[d["id"] for d, _ in r] for r in got] == [[d["id"] for d, _ in r] for r in exact]
+    for want, have in zip(exact, got, strict=True):
+        assert [s for _, s in have] == pytest.approx([s for _, s in want], abs=1e-5)
+    approximate = plain.search(QUERIES, 3)
+    assert any(abs(a[0][1] - b[0][1]) > 1e-3 for a, b in zip(approximate, exact, strict=True))
+    # fewer candidates than k_factor * k (k beyond the corpus): every row, re-ranked
+    assert [len(r) for r in refined.search(QUERIES[:1], 500)] == [200]
+    manifest = json.loads((built["ivf-pq refine"] / "manifest.json").read_text())
+    assert manifest["params"]["refine"] == "flat" and manifest["params"]["k_factor"] == 20
+    assert manifest["files"]["refine.npy"] == (built["ivf-pq refine"] / "refine.npy").stat(
+        ).st_size
+    assert "refine.npy" in manifest["checksums"]
+    assert not list(built["ivf-pq refine"].glob("embeddings*"))
+    # retriever.k_factor overrides the build's depth; k_factor 1 re-ranks only k candidates
+    assert Searcher.load(built["ivf-pq refine"], search_params={"k_factor": 1}).k_factor == 1
+
+
+def test_refine_errors_name_the_problem(built, corpus, tmp_path):
+    with pytest.raises(BuildError, match="already stores the exact vectors"):
+        build_index(corpus[0], tmp_path / "f", "flat", show_progress=False, refine=True)
+    with pytest.raises(BuildError, match="add --refine"):
+        build_index(corpus[0], tmp_path / "f", "ivf-pq", show_progress=False, k_factor=5)
+    with pytest.raises(BuildError, match="bm25"):
+        build_index(corpus[0], tmp_path / "f", "bm25", show_progress=False, refine=True)
+    with pytest.raises(IndexLoadError, match="built without --refine"):
+        Searcher.load(built["ivf-pq"], search_params={"k_factor": 5})
+    from services.retriever.indexes import open_refine
+
+    bad = tmp_path / "refine.npy"
+    np.save(bad, np.zeros((3, 2), dtype=np.float16))
+    with pytest.raises(ValueError, match=r"float32 \(200, 384\)"):
+        open_refine(bad, 200, 384)
 
 
 def test_manifest_records_factory_and_training_sample(built):
@@ -140,12 +190,14 @@ def test_too_few_training_vectors_is_a_build_error_and_the_rerun_resumes(tmp_pat
 
 @pytest.mark.slow  # a server process (~15 s on a busy box)
 def test_served_compressed_index_speaks_search_r1(built, tools):
-    """A server over an IVF-PQ index, memory-mapped, with a config nprobe: Search-R1's wire
-    format, per-request nprobe, and 422s for bad or absent knobs."""
+    """A server over an IVF-PQ index with exact re-ranking, memory-mapped, with a config nprobe
+    and k_factor: Search-R1's wire format, per-request nprobe, and 422s for bad or absent
+    knobs."""
     port = tools.free_port()
     process = tools.start_server(
-        ["--index", str(built["ivf-pq"]), "--set", "retriever.mmap=true",
-         "--set", "retriever.nprobe=2", "--set", "retriever.query_dtype=float32"], port)
+        ["--index", str(built["ivf-pq refine"]), "--set", "retriever.mmap=true",
+         "--set", "retriever.nprobe=2", "--set", "retriever.k_factor=5",
+         "--set", "retriever.query_dtype=float32"], port)
     url = f"http://127.0.0.1:{port}/retrieve"
     try:
         body = httpx.post(url, json={"queries": QUERIES[:2], "topk": 3}, timeout=30).json()
@@ -156,7 +208,7 @@ def test_served_compressed_index_speaks_search_r1(built, tools):
         first = scored["result"][0]
         assert set(first[0]) == {"document", "score"}
         assert [d["score"] for d in first] == sorted((d["score"] for d in first), reverse=True)
-        local = Searcher.load(built["ivf-pq"])
+        local = Searcher.load(built["ivf-pq refine"], search_params={"k_factor": 5})
         want = local.search_many(QUERIES[:2], [3, 3], [(4, None), (4, None)])
         assert [[d["document"]["id"] for d in r] for r in scored["result"]] == \
             [[doc["id"] for doc, _ in r] for r in want]

@@ -36,6 +36,9 @@ class RetrieverSection(Section):
     # A request may also send its own `nprobe` / `efSearch` (docs/retriever.md).
     nprobe: int | None = Field(default=None, ge=1)
     ef_search: int | None = Field(default=None, ge=1)
+    # Candidates per result re-ranked exactly, for an index built with `--refine`; null = the
+    # build's (10). Setting it for an index without re-ranking stops the server at start.
+    k_factor: int | None = Field(default=None, ge=1)
     # Map the FAISS file instead of reading it (CPU only): a replica starts without reading the
     # codes and replicas on one host share the page cache. IVF kinds map their inverted lists;
     # flat and HNSW kinds their vectors and graph (FAISS 1.15). Queries then read pages
