@@ -9,7 +9,9 @@ store alone.
 Index identity: a hash of the index's manifest (its build key, each file's checksum, the
 count and type), never of its path or build time: a copied index keeps its identity, a rebuilt
 or changed one gets another. Every recorded result is keyed by (identity, retriever settings,
-top-k, query), so evaluation and training read each other's stores.
+top-k, query), so evaluation and training read each other's stores. A running retriever reports
+its index's identity and search settings on /healthz (`served_fields`), so a client without a
+copy of the index directory keys results by what the server actually serves.
 
 The store is one SQLite file rather than JSON Lines: a test set of 50k questions makes a few
 hundred thousand results, which replay looks up by key without reading them all into memory;
@@ -95,6 +97,75 @@ def search_settings(manifest: dict[str, Any],
 
 def settings_key(settings: dict[str, Any]) -> str:
     return json.dumps(settings, sort_keys=True)
+
+
+def served_fields(manifest: dict[str, Any], overrides: dict[str, Any] | None = None
+                  ) -> dict[str, Any]:
+    """What a retriever's /healthz reports about the index it serves, so a client that has
+    no copy of the index directory still keys results by it: `index_id` (index_identity of
+    its manifest) and `search_settings` (search_settings with the server's own overrides)."""
+    return {"index_id": index_identity(manifest),
+            "search_settings": search_settings(manifest, overrides)}
+
+
+def healthz_url(retrieve_url: str) -> str:
+    """http://host:8000/retrieve -> http://host:8000/healthz"""
+    return retrieve_url.rsplit("/", 1)[0] + "/healthz"
+
+
+def fetch_health(retrieve_url: str, wait_s: float) -> dict[str, Any]:
+    """The retriever's /healthz body once it answers 200 (it answers 503 while the index
+    loads), polling up to `wait_s` seconds; StoreError naming the URL and the last problem."""
+    import httpx
+
+    health = healthz_url(retrieve_url)
+    deadline = time.monotonic() + wait_s
+    problem = "no answer"
+    while True:
+        try:
+            response = httpx.get(health, timeout=5)
+            if response.status_code == 200:
+                body = response.json()
+                if isinstance(body, dict):
+                    return body
+                problem = "not a JSON object"
+            else:
+                problem = f"HTTP {response.status_code}"
+        except (httpx.HTTPError, ValueError) as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        if time.monotonic() >= deadline:
+            raise StoreError(f"{health} did not answer within {wait_s:g}s ({problem})")
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+
+def served_identity(health: dict[str, Any], retrieve_url: str) -> tuple[str, dict[str, Any]]:
+    """(identity, search settings) a retriever reports in its /healthz body; StoreError when
+    it reports none (a retriever older than the field)."""
+    identity, settings = health.get("index_id"), health.get("search_settings")
+    if not isinstance(identity, str) or not identity or not isinstance(settings, dict):
+        raise StoreError(f"{healthz_url(retrieve_url)} does not report the index identity "
+                         "(index_id): a retriever older than this Forage")
+    return identity, settings
+
+
+def check_served(health: dict[str, Any], manifest: dict[str, Any], index_dir: str | Path,
+                 retrieve_url: str) -> None:
+    """The retriever must serve the index of `index_dir`: the same identity when its /healthz
+    reports one, else (an older retriever) the same type and passage count. StoreError
+    naming both otherwise: results of one index must never be keyed by another's identity."""
+    reported = health.get("index_id")
+    if isinstance(reported, str) and reported:
+        expected = index_identity(manifest)
+        if reported != expected:
+            raise StoreError(f"{retrieve_url} serves index {reported}, but {index_dir} is "
+                             f"{expected}: not the same index")
+        return
+    if (health.get("docs"), health.get("index_type")) != (manifest.get("count"),
+                                                          manifest.get("index_type")):
+        raise StoreError(
+            f"{retrieve_url} serves a {health.get('index_type')} index of {health.get('docs')} "
+            f"passages, but {index_dir} is a {manifest.get('index_type')} index of "
+            f"{manifest.get('count')}: not the same index")
 
 
 def read_index_manifest(index_dir: str | Path) -> dict[str, Any]:

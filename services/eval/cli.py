@@ -4,6 +4,7 @@
                 --mode direct|rag|agent [--mode ...] [--index DIR | --retriever-url URL]
                 --out OUT [--retrieval live|record|replay] [--protocol tags|tool_calls]
                 [--limit N] [--engine transformers|vllm] [--set rollout.KEY=VALUE] ...
+    forage eval --model DIR --data FILE --mode agent --out OUT --namespace NS [--redis URL]
 
 Writes OUT/eval.json, OUT/eval.md and OUT/samples.jsonl (docs/eval.md). Torch and the engine
 are imported by the handler only, so `forage eval --help` stays quick. A user mistake is one
@@ -14,6 +15,7 @@ the same command again: finished questions are kept).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from services.eval.prompts import MODES
@@ -67,24 +69,25 @@ def register(parser: argparse.ArgumentParser) -> None:
     add("--data-source", default=None,
         help="data source of FlashRAG files (default: implied by the path, nq/test.jsonl -> nq)")
     add("--limit", type=_positive, default=None, help="at most N questions per data source")
-    add("--topk", type=_positive, default=3, help="passages per search (default 3)")
+    add("--topk", type=_positive, default=None, help="passages per search (default 3)")
     add("--max-turns", type=_positive, default=4, help="agent search rounds (default 4)")
-    add("--max-tokens-per-turn", type=_positive, default=500,
+    add("--max-tokens-per-turn", type=_positive, default=None,
         help="tokens one turn may generate (default 500, Search-R1's)")
-    add("--max-obs-length", type=_positive, default=500,
+    add("--max-obs-length", type=_positive, default=None,
         help="tokens of one <information> block; longer ones are cut (default 500)")
-    add("--max-response-length", type=_positive, default=2048,
+    add("--max-response-length", type=_positive, default=None,
         help="tokens of the whole response, observations included (default 2048)")
-    add("--max-prompt-length", type=_positive, default=4096,
+    add("--max-prompt-length", type=_positive, default=None,
         help="prompt tokens kept; a longer prompt keeps its last ones, as in training "
              "(default 4096)")
-    add("--batch-size", type=_positive, default=32, help="questions played together")
+    add("--batch-size", type=_positive, default=32,
+        help="questions played together (with --namespace: published and unanswered at once)")
     add("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     add("--top-p", type=float, default=1.0, help="nucleus sampling when --temperature > 0")
     add("--top-k", type=int, default=0,
         help="top-k sampling when --temperature > 0 (0: off)")
     add("--seed", type=int, default=0, help="sampling seed")
-    add("--protocol", choices=("tags", "tool_calls"), default="tags",
+    add("--protocol", choices=("tags", "tool_calls"), default=None,
         help="agent rows: tags (Search-R1's <search>/<answer>, default) or tool_calls (the "
              "search tool through the model's chat template, docs/rollout.md)")
     add("--evidence-probe", action="store_true",
@@ -99,6 +102,15 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="another engine setting, with the rollout's config keys (e.g. "
              "rollout.gpu_memory_utilization=0.5, rollout.vllm_engine_args.kv_cache_dtype=fp8)")
     add("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    add("--namespace", default=None, metavar="NS",
+        help="play mode agent on the running rollout replicas (`forage rollout serve`) that "
+             "serve this Redis stream namespace, instead of an engine in this process")
+    add("--redis", default=None, metavar="URL",
+        help="with --namespace: the replicas' Redis (default: REDIS_URL, else "
+             "redis://127.0.0.1:6379/0)")
+    add("--replica-timeout", type=float, default=60.0, metavar="S",
+        help="with --namespace: how long to wait for a replica's heartbeat, and for one to "
+             "take the first question (default 60)")
     add("--dtype", default="auto", help="auto (float32 on CPU), bfloat16, float16, float32")
     parser.set_defaults(handler=_handle)
 
@@ -107,6 +119,7 @@ def _handle(args: argparse.Namespace) -> int:
     from services.common.cli_errors import TEMPORARY_FAILURE, USAGE_ERROR
     from services.common.config import ConfigError
     from services.eval.evaluate import EvalError, EvalRequest, run
+    from services.eval.replicas import REPLICA_FLAGS, ReplicaError, Target
     from services.eval.runner import EvalSettings, PlayError
 
     modes = list(dict.fromkeys(m for group in args.mode for m in group))
@@ -116,31 +129,48 @@ def _handle(args: argparse.Namespace) -> int:
     if args.evidence_samples is not None and not args.evidence_probe:
         print("forage eval: error: --evidence-samples needs --evidence-probe", file=sys.stderr)
         return USAGE_ERROR
+    if args.redis is not None and args.namespace is None:
+        print("forage eval: error: --redis needs --namespace (the namespace the replicas "
+              "serve)", file=sys.stderr)
+        return USAGE_ERROR
+    # The flags the replicas' config decides default to None, so that with --namespace a flag
+    # given (and only one given) must equal what the replicas play.
+    given = {key for key in REPLICA_FLAGS if getattr(args, key) is not None}
+    defaults = EvalSettings()
     settings = EvalSettings(
-        topk=args.topk, max_turns=args.max_turns, max_tokens_per_turn=args.max_tokens_per_turn,
-        max_obs_length=args.max_obs_length, max_response_length=args.max_response_length,
-        max_prompt_length=args.max_prompt_length, temperature=args.temperature,
+        max_turns=args.max_turns, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, batch_size=args.batch_size,
         evidence_probe=args.evidence_probe, evidence_samples=args.evidence_samples or 3,
-        protocol=args.protocol)
+        **{key: getattr(args, key) if key in given else getattr(defaults, key)
+           for key in REPLICA_FLAGS})
+    replicas = None
+    if args.namespace is not None:
+        url = args.redis or os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/0"
+        replicas = Target(url=url, namespace=args.namespace, timeout_s=args.replica_timeout)
     request = EvalRequest(models=args.model, data=args.data, modes=modes, out=args.out,
                           index=args.index, retriever_url=args.retriever_url,
                           retrieval=args.retrieval, store=args.store,
                           data_source=args.data_source, limit=args.limit, device=args.device,
                           dtype=args.dtype, engine=args.engine,
-                          engine_settings=list(args.engine_set), settings=settings)
+                          engine_settings=list(args.engine_set), settings=settings,
+                          replicas=replicas, given=given)
     try:
         doc = run(request)
     except (EvalError, ConfigError) as exc:
         print(f"forage eval: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
-    except PlayError as exc:
+    except (PlayError, ReplicaError) as exc:
         print(f"forage eval: error: {exc}", file=sys.stderr)
         return TEMPORARY_FAILURE
     for row in doc["rows"]:
         print(f"{row['label']}: EM {row['em']['average']:.3f} (average over "
               f"{len(row['em']) - 2} data source(s)), {row['n']['all']} questions, searches/q "
               f"{row['searches']['all']:.2f}")
+        if "replicas" in row:
+            r = row["replicas"]
+            print(f"  played by the replicas of namespace {r['namespace']}: model(s) "
+                  f"{', '.join(r['models']) or 'not reported'}, policy version(s) "
+                  f"{', '.join(map(str, r['policy_versions']))}")
         if "evidence" in row:
             e = row["evidence"]
             gaps = e["gap"]

@@ -15,6 +15,16 @@ from typing import Any
 from services.eval import report
 from services.eval.data import load_questions
 from services.eval.evidence import donors
+from services.eval.replicas import (
+    ReplicaError,
+    ReplicaPlayer,
+    ReplicaSettingsError,
+    Target,
+    adopt_settings,
+    connect,
+    run_tag,
+    wait_for_replicas,
+)
 from services.eval.results import ConfigMismatch, SampleWriter, check_config, read_samples
 from services.eval.retrieval import (
     STORE_FILE,
@@ -28,6 +38,7 @@ from services.eval.retrieval import (
     Store,
     read_identity,
     replay_identity,
+    served_identity,
 )
 from services.eval.runner import EvalSettings, Row, play_row
 from services.rollout.tools import TemplateError
@@ -62,6 +73,11 @@ class EvalRequest:
     # Called with each engine once loaded: tests script some turns through the engine's own
     # `forced_tokens` hook (a tiny random policy never searches on its own).
     prepare_engine: Callable[[Any], None] | None = None
+    # Play through running rollout replicas (services/eval/replicas.py) instead of an engine
+    # here; `given` names the settings flags given on the command line, which the replicas'
+    # own settings must then equal.
+    replicas: Target | None = None
+    given: set[str] = field(default_factory=set)
 
 
 def _file_checksum(path: str) -> str:
@@ -117,13 +133,23 @@ def _identity(request: EvalRequest, needs_search: bool
                         "--retrieval replay with a recorded store")
     if request.index:
         identity, settings = read_identity(request.index)
+    elif request.retrieval == "record":
+        identity, settings = _served(request.retriever_url)
     else:
         identity, settings = UNKNOWN_INDEX, {}
-    if request.retrieval == "record" and identity == UNKNOWN_INDEX:
-        raise EvalError("--retrieval record keys results by the index's identity: with "
-                        "--retriever-url also pass --index DIR of the index it serves (only its "
-                        "manifest is read)")
     return identity, settings, None
+
+
+def _served(url: str | None) -> tuple[str, dict[str, Any]]:
+    """The identity a running retriever reports on /healthz: what `--retrieval record` keys
+    results by when no index directory is at hand."""
+    assert url is not None
+    try:
+        return served_identity(url)
+    except RetrievalError as exc:
+        raise EvalError(f"--retrieval record keys results by the index's identity: {exc}; "
+                        "pass --index DIR of the index it serves (only its manifest is "
+                        "read)") from None
 
 
 def _store_path(request: EvalRequest) -> Path:
@@ -160,6 +186,8 @@ def run(request: EvalRequest) -> dict[str, Any]:
         raise EvalError(f"--protocol must be tags or tool_calls, got "
                         f"{request.settings.protocol!r}")
     models = _check_models(request.models)
+    if request.replicas is not None:
+        return _run_on_replicas(request, questions, models)
     engine_config(request, request.models[0])  # a bad engine or key: one line, nothing loaded
     needs_search = any(mode in ("rag", "agent") for mode in request.modes)
     try:
@@ -221,6 +249,85 @@ def run(request: EvalRequest) -> dict[str, Any]:
         if store is not None:
             store.close()
     doc = report.build(config, [(r.label, r.model_dir, r.mode) for r in rows], read_samples(out))
+    report.write(out, doc)
+    return doc
+
+
+def _check_replica_request(request: EvalRequest) -> None:
+    """What cannot go through replicas, refused before anything connects (EvalError)."""
+    if request.modes != ["agent"]:
+        raise EvalError(f"--namespace plays mode agent on the replicas; mode(s) "
+                        f"{', '.join(m for m in request.modes if m != 'agent')} run in this "
+                        "process: drop --redis/--namespace for them")
+    if len(request.models) != 1:
+        raise EvalError("--namespace: the replicas serve one model; give one --model (a local "
+                        "copy of it: its tokenizer decodes their tokens)")
+    named = [flag for flag, value in (
+        ("--index", request.index), ("--retriever-url", request.retriever_url),
+        ("--store", request.store), ("--evidence-probe", request.settings.evidence_probe),
+        ("--retrieval " + request.retrieval, request.retrieval != "live"),
+        ("--engine " + request.engine, request.engine != "transformers"),
+        ("--set", bool(request.engine_settings))) if value]
+    if named:
+        raise EvalError(f"--namespace does not take {', '.join(named)}: for an evaluation "
+                        "in this process only; the replicas search their own retriever with "
+                        "their own engine (their config)")
+
+
+def _run_on_replicas(request: EvalRequest, questions: list[Any],
+                     models: list[dict[str, str]]) -> dict[str, Any]:
+    """Mode agent played by the rollout replicas serving `request.replicas` (replicas.py):
+    the same config checks, lines, resume and report as in process."""
+    import redis
+    from transformers import AutoTokenizer
+
+    _check_replica_request(request)
+    target = request.replicas
+    assert target is not None
+    streams = connect(target)
+    try:
+        beats = wait_for_replicas(streams.client, target)
+        try:
+            settings, seen = adopt_settings(request.settings, request.given, beats)
+        except ReplicaSettingsError as exc:
+            raise EvalError(str(exc)) from None
+        out = Path(request.out)
+        config = {
+            "models": models,
+            "data": [{"path": path, "checksum": _file_checksum(path)} for path in request.data],
+            "data_source": request.data_source, "limit": request.limit,
+            "modes": request.modes, "settings": settings.as_dict(), "index": None,
+            "questions": len(questions), "replicas": {"namespace": target.namespace},
+        }
+        try:
+            check_config(out, config)
+        except ConfigMismatch as exc:
+            raise EvalError(str(exc)) from None
+        label = _labels(request.models)[0]
+        row = Row(0, f"{label} · agent", request.models[0], "agent")
+        done = {line["qid"] for line in read_samples(out) if line["row"] == row.label}
+        todo = [q for q in questions if q.qid not in done]
+        tokenizer = AutoTokenizer.from_pretrained(request.models[0])
+        writer = SampleWriter(out)
+        try:
+            player = ReplicaPlayer(streams, target, run_tag(request.out, config))
+            player.play_row(row, todo, len(questions), settings, tokenizer, writer.write)
+            player.close()  # only once every question is written: a rerun needs it otherwise
+        except redis.RedisError as exc:  # retried by the streams library first
+            raise ReplicaError(f"Redis at {target.url} failed ({type(exc).__name__}: {exc}); "
+                               "finished questions are kept, so running the same command "
+                               "again goes on from here") from None
+        finally:
+            writer.close()
+    finally:
+        streams.close()
+    lines = read_samples(out)
+    doc = report.build(config, [(row.label, row.model_dir, row.mode)], lines)
+    for summary in doc["rows"]:
+        summary["replicas"] = {
+            "namespace": target.namespace, "models": seen["models"], "engines": seen["engines"],
+            "policy_versions": sorted({int(x.get("policy_version", 0)) for x in lines
+                                       if x["row"] == summary["label"]})}
     report.write(out, doc)
     return doc
 

@@ -29,7 +29,8 @@ from services.common.retrieval_store import (
 )
 
 __all__ = ["Backend", "Http", "InProcess", "Recording", "Replay", "Result", "RetrievalError",
-           "Store", "index_identity", "read_identity", "replay_identity", "settings_key"]
+           "Store", "index_identity", "read_identity", "replay_identity", "served_identity",
+           "settings_key"]
 
 STORE_FILE = "retrieval.sqlite"
 UNKNOWN_INDEX = "unknown"
@@ -91,24 +92,14 @@ class Http:
 
     @staticmethod
     def _check_serves(url: str, index_dir: str) -> None:
-        """The server's /healthz must report the index's type and passage count: a cheap
-        guard against recording one index's results under another's identity."""
-        import httpx
-
+        """The server must serve `index_dir`'s index (the identity its /healthz reports; for an
+        older retriever its type and passage count): results of one index must never be
+        recorded under another's identity."""
         from services.retriever.manifest import read_manifest
 
         manifest = read_manifest(index_dir)
-        health = url.rsplit("/", 1)[0] + "/healthz"
-        try:
-            said = httpx.get(health, timeout=10).json()
-        except (httpx.HTTPError, ValueError) as exc:
-            raise RetrievalError(f"{health} does not answer: {exc}") from None
-        if (said.get("docs"), said.get("index_type")) != (manifest["count"],
-                                                          manifest["index_type"]):
-            raise RetrievalError(
-                f"{url} serves a {said.get('index_type')} index of {said.get('docs')} passages, "
-                f"but --index {index_dir} is a {manifest['index_type']} index of "
-                f"{manifest['count']}: not the same index")
+        health = common.fetch_health(url, 5.0)
+        common.check_served(health, manifest, f"--index {index_dir}", url)
 
     def retrieve(self, queries: Sequence[str]) -> list[Result]:
         return self.client.retrieve(list(queries))
@@ -128,6 +119,12 @@ class Replay(common.Replay):
         super().__init__(store, index_id, settings, topk,
                          hint="record again with --retrieval record (same model, data, mode "
                               "and settings)")
+
+
+def served_identity(url: str, wait_s: float = 5.0) -> tuple[str, dict[str, Any]]:
+    """(identity, search settings) a running retriever reports on /healthz: what
+    `--retriever-url` without `--index` records under."""
+    return common.served_identity(common.fetch_health(url, wait_s), url)
 
 
 def replay_identity(store: Store, index_dir: str | None) -> tuple[str, dict[str, Any]]:

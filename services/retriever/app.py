@@ -31,6 +31,7 @@ from pydantic import BaseModel, Field, StringConstraints, create_model
 
 from services.common.config.retriever import RetrieverSection
 from services.common.http_limits import BodyLimit
+from services.common.retrieval_store import served_fields
 from services.common.threads import (
     process_threads,
     set_worker_threads,
@@ -259,7 +260,8 @@ def create_app(index_dir: str | Path, settings: RetrieverSection, device: str | 
 
                 searcher = Searcher.load(
                     index_dir, device=device, query_dtype=query_dtype, mmap=settings.mmap,
-                    search_params={"nprobe": settings.nprobe, "ef_search": settings.ef_search},
+                    search_params={"nprobe": settings.nprobe, "ef_search": settings.ef_search,
+                                   "k_factor": settings.k_factor},
                     encoder_device=encoder_device, index_device=index_device,
                     index_gpu_mode=settings.index_gpu_mode)
             state.searcher = searcher
@@ -382,11 +384,26 @@ def create_app(index_dir: str | Path, settings: RetrieverSection, device: str | 
             body = [[doc for doc, _ in per_query] for per_query in results]
         return 200, {"result": body}
 
+    served: dict[str, Any] = {}
+
+    def identity() -> dict[str, Any]:
+        """`index_id` and `search_settings` of the loaded index, as the retrieval store keys
+        results (services/common/retrieval_store.py): computed once, from its manifest."""
+        if not served:
+            manifest = getattr(state.searcher, "manifest", None)
+            served.update(served_fields(manifest, {"nprobe": settings.nprobe,
+                                                   "ef_search": settings.ef_search,
+                                                   "k_factor": settings.k_factor})
+                          if isinstance(manifest, dict) else
+                          {"index_id": None, "search_settings": None})
+        return served
+
     @app.get("/healthz")
     async def healthz():
         if state.ready.is_set():
             return {"status": "ok", "docs": len(state.searcher),
-                    "index_type": state.searcher.index_type, "threads": threads_in_use(),
+                    "index_type": state.searcher.index_type, **identity(),
+                    "threads": threads_in_use(),
                     "query_dtype": query_dtype if state.searcher.encoder is not None else None}
         detail = state.error or "loading"
         return JSONResponse({"status": detail}, status_code=503)

@@ -31,6 +31,21 @@ def probe(url: str, timeout_s: float = 5.0) -> str | None:
         return str(reason)
 
 
+def served_index(url: str, timeout_s: float = 5.0) -> str | None:
+    """The `index_id` a ready retriever's /healthz reports (the identity recorded search
+    results are keyed by), or None when it reports none or the read fails: only for the
+    ready line, so a start-up gate never fails on it."""
+    import json
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+            body = json.loads(reply.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    identity = body.get("index_id") if isinstance(body, dict) else None
+    return identity if isinstance(identity, str) else None
+
+
 def wait_until_ready(retrieve_url: str, timeout_s: float = 0.0, interval_s: float = 2.0,
                      log_every_s: float = 30.0, out: TextIO | None = None) -> bool:
     """Poll the retriever's /healthz until it answers 200 (True) or `timeout_s` passes (False;
@@ -43,7 +58,9 @@ def wait_until_ready(retrieve_url: str, timeout_s: float = 0.0, interval_s: floa
         why = probe(url)
         now = time.monotonic()
         if why is None:
-            print(f"retriever ready at {url} after {now - start:.0f} s", file=out, flush=True)
+            identity = served_index(url)
+            print(f"retriever ready at {url} after {now - start:.0f} s"
+                  + (f" (index {identity})" if identity else ""), file=out, flush=True)
             return True
         if timeout_s and now - start >= timeout_s:
             print(f"error: the retriever at {url} is not ready after {now - start:.0f} s "

@@ -11,22 +11,21 @@ evaluation's searches and the other way round, and several replicas may write on
   lacks gets a `QueryFailed`, which ends that trajectory alone with finish_reason error and the
   missing query in its `error` (services/rollout/agent.py).
 
-Index identity: the retriever's /healthz reports only the index type and the passage count, not
-its manifest, so the identity is read from the index directory's manifest
+Index identity: read from the index directory's manifest when the replica can read it
 (`rollout.retrieval_cache.index`, default `retriever.index_dir`: the directory the retriever
-serves). Recording checks /healthz against that manifest's type and count, as `forage eval
---retriever-url --index` does. A store that holds another index's results (or, for replay, none
-of this index and settings) stops the replica at startup with one line.
+serves); recording then checks that the retriever's /healthz reports the same identity (a
+retriever older than that field: the same type and passage count). Without a directory, the
+identity and search settings are the ones the running retriever reports on /healthz (waiting
+up to `wait_s` for it), so a replica on another node than the index needs no copy of it. A
+store that holds another index's results (or, for replay, none of this index and settings)
+stops the replica at startup with one line.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from typing import Any
-
-import httpx
 
 from services.common.config import ConfigError
 from services.common.retrieval_store import (
@@ -37,9 +36,12 @@ from services.common.retrieval_store import (
     Store,
     StoreError,
     check_index,
+    check_served,
+    fetch_health,
     index_identity,
     read_index_manifest,
     search_settings,
+    served_identity,
 )
 
 log = logging.getLogger("forage.rollout.retrieval_cache")
@@ -67,50 +69,53 @@ class CachedRetriever:
         self.store.close()
 
 
-def _identity(cache: Any, retriever: Any) -> tuple[str, dict[str, Any], dict[str, Any]]:
+def _identity(cache: Any, retriever: Any
+              ) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
+    """(identity, search settings, the directory's manifest or None when the identity came
+    from the running retriever's /healthz)."""
     index_dir = cache.index or retriever.index_dir
     if not index_dir:
-        raise RetrievalCacheError(
-            f"{KEY}.mode {cache.mode} keys results by the index's identity: set {KEY}.index "
-            "(or retriever.index_dir) to the index directory the retriever serves (only its "
-            "manifest.json is read)")
+        return (*_served_identity(cache, retriever), None)
     try:
         manifest = read_index_manifest(index_dir)
     except StoreError as exc:
         raise RetrievalCacheError(f"{KEY}.index: {exc}") from None
     settings = search_settings(manifest, {"nprobe": retriever.nprobe,
-                                          "ef_search": retriever.ef_search})
+                                          "ef_search": retriever.ef_search,
+                                          "k_factor": retriever.k_factor})
     return index_identity(manifest), settings, manifest
 
 
-def check_serves(url: str, manifest: dict[str, Any], index_dir: str, wait_s: float) -> None:
-    """Wait (up to `wait_s`) for the retriever's /healthz, then check it reports the index's
-    type and passage count: a cheap guard against recording one index's results under
-    another's identity."""
-    health = url.rsplit("/", 1)[0] + "/healthz"
-    deadline = time.monotonic() + wait_s
-    said: Any = None
-    problem = "no answer"
-    while True:
-        try:
-            response = httpx.get(health, timeout=5)
-            if response.status_code == 200:
-                said = response.json()
-                break
-            problem = f"HTTP {response.status_code}"
-        except (httpx.HTTPError, ValueError) as exc:
-            problem = f"{type(exc).__name__}: {exc}"
-        if time.monotonic() >= deadline:
-            raise RetrievalCacheError(f"{KEY}: {health} did not answer within {wait_s:g}s "
-                                      f"({problem}); the index it serves must be checked "
-                                      "before recording")
-        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-    if (said.get("docs"), said.get("index_type")) != (manifest.get("count"),
-                                                      manifest.get("index_type")):
+def _served_identity(cache: Any, retriever: Any) -> tuple[str, dict[str, Any]]:
+    """The identity and settings the running retriever reports, for a replica without the
+    index directory; a retriever that does not answer (or reports none) is a startup error
+    naming both ways out."""
+    try:
+        health = fetch_health(retriever.url, cache.wait_s)
+        identity, settings = served_identity(health, retriever.url)
+    except StoreError as exc:
         raise RetrievalCacheError(
-            f"{KEY}: {url} serves a {said.get('index_type')} index of {said.get('docs')} "
-            f"passages, but {index_dir} is a {manifest.get('index_type')} index of "
-            f"{manifest.get('count')}: not the same index")
+            f"{KEY}.mode {cache.mode} keys results by the index's identity, which comes from "
+            f"the retriever's /healthz or the index directory: {exc}; start the retriever, or "
+            f"set {KEY}.index (or retriever.index_dir) to the index directory it serves (only "
+            "its manifest.json is read)") from None
+    log.info("retrieval cache: index identity %s from %s", identity, retriever.url)
+    return identity, settings
+
+
+def check_serves(url: str, manifest: dict[str, Any], index_dir: str, wait_s: float) -> None:
+    """Wait (up to `wait_s`) for the retriever's /healthz, then check it serves the index of
+    `index_dir` (its identity; for an older retriever its type and passage count): recording
+    one index's results under another's identity would poison the store."""
+    try:
+        health = fetch_health(url, wait_s)
+    except StoreError as exc:
+        raise RetrievalCacheError(f"{KEY}: {exc}; the index it serves must be checked before "
+                                  "recording") from None
+    try:
+        check_served(health, manifest, index_dir, url)
+    except StoreError as exc:
+        raise RetrievalCacheError(f"{KEY}: {exc}") from None
 
 
 def open_cache(config: Any, client: Any | None) -> CachedRetriever | None:
@@ -130,8 +135,9 @@ def open_cache(config: Any, client: Any | None) -> CachedRetriever | None:
         check_index(store, identity, settings, cache.mode)
         if cache.mode == "record":
             assert client is not None
-            check_serves(config.retriever.url, manifest, cache.index or
-                         config.retriever.index_dir, cache.wait_s)
+            if manifest is not None:  # (else the identity is what the retriever reported)
+                check_serves(config.retriever.url, manifest, cache.index or
+                             config.retriever.index_dir, cache.wait_s)
             backend: Any = Recording(client, store, identity, settings, topk)
         else:
             if client is not None:

@@ -96,6 +96,19 @@ def _is_adapter(manifest: Any) -> bool:
     return dict(metadata or {}).get("kind") == KIND
 
 
+def plays(config: Any) -> dict[str, Any]:
+    """What the heartbeat says this replica plays: the model it loaded and the agent-loop
+    settings a prompt group cannot override (its `sampling` sets temperature, top_p, top_k
+    and max_turns). `forage eval` through replicas records them, and refuses flags that
+    disagree, instead of reporting settings the replicas never used."""
+    r = config.rollout
+    return {"model": str(config.model.path), "engine": r.engine, "settings": {
+        "max_tokens_per_turn": r.max_tokens_per_turn, "max_obs_length": r.max_obs_length,
+        "max_response_length": r.max_response_length,
+        "max_prompt_length": r.max_prompt_length, "use_search": r.use_search,
+        "protocol": r.protocol, "topk": config.retriever.topk}}
+
+
 class RolloutWorker:
     def __init__(self, config: Any, engine: Any | None = None) -> None:
         self.config = config
@@ -136,6 +149,7 @@ class RolloutWorker:
         self._in_hand = 0  # groups taken and not yet published or dead-lettered
         self._published = 0  # groups published since the start (for the log line)
         self._last_read = 0.0
+        self._plays = plays(config)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -505,7 +519,7 @@ class RolloutWorker:
         body = {
             "name": self.name, "pid": os.getpid(), "ts": time.time(),
             "policy_version": self.engine.policy_version, "busy": self._busy,
-            "stopping": self.stopping,
+            "stopping": self.stopping, **self._plays,
         }
         ttl = max(1, int(round(self.config.rollout.heartbeat_ttl_s)))
         self._redis.set(self._beat_key(), json.dumps(body), ex=ttl)

@@ -3,6 +3,7 @@ a replay in another process, and `forage inspect` reading what it wrote."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -91,3 +92,26 @@ def test_record_from_a_retriever_process_then_replay_in_another_process(eval_wor
     shown = forage("inspect", str(replayed), "--step", "1", "--limit", "1")
     assert shown.returncode == 0, shown.stderr
     assert "12 samples" in shown.stdout and "Q:      Which city was Brixol born in?" in shown.stdout
+
+
+@pytest.mark.slow
+def test_record_without_the_index_folder_keys_by_the_identity_the_retriever_reports(
+        eval_world, tmp_path, retriever):
+    """The folder is not needed to record: the running retriever's /healthz names its index,
+    and the store is keyed exactly as with --index (so either replays the other)."""
+    from services.eval.evaluate import EvalRequest, run
+    from services.eval.retrieval import Store, read_identity, settings_key
+    from services.eval.runner import EvalSettings
+
+    out = tmp_path / "out"
+    run(EvalRequest(models=[str(eval_world["policy"])], data=[str(eval_world["flashrag"])],
+                    modes=["rag"], out=str(out), retriever_url=retriever, retrieval="record",
+                    limit=2, settings=EvalSettings(topk=2, max_tokens_per_turn=4)))
+    identity, settings = read_identity(eval_world["index"])
+    config = json.loads((out / "config.json").read_text())
+    assert config["index"] == identity
+    store = Store(out / "retrieval.sqlite", create=False)
+    assert store.identities() == [(identity, settings_key(settings))]
+    store.close()
+    assert {line["index"] for line in map(json.loads, (out / "samples.jsonl").open())} == \
+        {identity}
