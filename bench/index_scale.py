@@ -22,7 +22,8 @@ sizes `build-index` would choose for N rows) and written to disk. Then:
   kinds that can be memory-mapped, another that maps it), searches 8 queries and reports its
   RSS (VmRSS, which counts mapped file pages it touched, shared with other processes) and the
   private memory the index added (RssAnon after − before: what each extra replica costs),
-  and the read_index time (the file is in the page cache: it was just written);
+  and the read_index time (the file is in the page cache: it was just written); --json
+  also records `checksum_s`, the time of the start-up checksum check's read of the file;
 - queries/s at 1 and at 32 queries per search call, FAISS on `--threads` threads (1: what one
   server worker gets on a busy box), searching the index directly;
 - recall@1 and recall@10 against the flat index's top-10 on the held-out queries.
@@ -75,6 +76,7 @@ from services.retriever.indexes import (  # noqa: E402
     open_refine,
     rerank_exact,
 )
+from services.retriever.manifest import file_checksum  # noqa: E402
 
 KINDS = ("flat", "hnsw", "ivf", "ivf-sq8", "ivf-sqfp16", "ivf-pq", "hnsw-sq8")
 WIKI_ROWS, WIKI_DIM = 21_015_324, 768
@@ -281,6 +283,9 @@ def main() -> int:
             path = Path(tmp) / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', kind)}.faiss"
             faiss.write_index(index, str(path))
             disk = path.stat().st_size
+            t0 = time.perf_counter()
+            file_checksum(path)  # what a server's start-up check reads (page cache: warm)
+            checksum_s = time.perf_counter() - t0
             plain = serving_memory(path, 0)
             try:
                 mapped = serving_memory(path, mmap_flag(kind, params.get("factory")))
@@ -309,7 +314,11 @@ def main() -> int:
                 "qps1": qps1, "qps32": qps32, "recall1": r1, "recall10": r10,
                 "rule_over_disk": rule_here / disk, "projected_bytes": projected,
                 "refine_disk_bytes": WIKI_ROWS * WIKI_DIM * 4 if refined else 0,
+                "checksum_s": checksum_s,
             }
+            if refined:  # the same codes without the re-ranking, for comparison
+                row["recall1_codes"], row["recall10_codes"] = recall(
+                    index.search(queries, 10)[1], truth)
             row["factory"] = factory
             rows_out.append(row)
             mmap_cells = (f"{mapped['rss'] / 1e6:.0f} ({mapped['private'] / 1e6:.0f}) "
@@ -319,7 +328,12 @@ def main() -> int:
                   f"| {plain['load_s']:.3f} | {mmap_cells} ", end="")
             print(f"| {qps1:.0f} | {qps32:.0f} | {r1:.3f} | {r10:.3f} "
                   f"| {rule_here / disk:.3f} | {projected / 1e9:.1f} |", flush=True)
+
             del index, searched
+    for row in rows_out:
+        if "recall10_codes" in row:
+            print(f"{row['kind']}: the codes alone (no re-ranking) give recall@1 "
+                  f"{row['recall1_codes']:.3f}, recall@10 {row['recall10_codes']:.3f}")
     if args.json:
         args.json.write_text(json.dumps(rows_out, indent=2) + "\n")
     good = [r for r in rows_out if r["recall10"] >= 0.95]

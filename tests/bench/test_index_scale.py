@@ -23,6 +23,7 @@ def test_index_scale_with_refine(tmp_path: Path) -> None:
     assert rows["flat"]["recall10"] == 1.0
     plain, refined = rows["IVF*,PQ8"], rows["IVF*,PQ8+refine"]
     assert plain["recall10"] < 0.9 <= 0.95 <= refined["recall10"]  # 8-byte codes alone miss
+    assert refined["recall10_codes"] == plain["recall10"]  # same build, same codes
     assert refined["projected_bytes"] == plain["projected_bytes"]  # the vectors stay on disk
     assert refined["refine_disk_bytes"] == 21_015_324 * 768 * 4 and plain["refine_disk_bytes"] == 0
     assert "IVF*,PQ8+refine" in result.stdout.splitlines()[-1]  # within 8 GB, best recall
