@@ -90,6 +90,18 @@ def _file_checksum(path: str) -> str:
     return f"xxh3_64:{digest.hexdigest()}"
 
 
+def _run_config(request: EvalRequest, models: list[dict[str, str]], questions: int,
+                settings: Any, index_id: str | None) -> dict[str, Any]:
+    """What OUT/config.json records of a run: a rerun with another config is refused, so
+    finished lines are only ever resumed by the run that wrote them."""
+    return {
+        "models": models,
+        "data": [{"path": path, "checksum": _file_checksum(path)} for path in request.data],
+        "data_source": request.data_source, "limit": request.limit, "modes": request.modes,
+        "settings": settings.as_dict(), "index": index_id, "questions": questions,
+    }
+
+
 def _labels(models: list[str]) -> list[str]:
     """Each model's short name in the table: its directory name, the whole path on a clash."""
     names = [Path(m).resolve().name or m for m in models]
@@ -195,13 +207,7 @@ def run(request: EvalRequest) -> dict[str, Any]:
     except RetrievalError as exc:
         raise EvalError(str(exc)) from None
     out = Path(request.out)
-    config = {
-        "models": models,
-        "data": [{"path": path, "checksum": _file_checksum(path)} for path in request.data],
-        "data_source": request.data_source, "limit": request.limit, "modes": request.modes,
-        "settings": request.settings.as_dict(), "index": index_id,
-        "questions": len(questions),
-    }
+    config = _run_config(request, models, len(questions), request.settings, index_id)
     # Only when not the default, so directories written before the flag still resume; an
     # engine switch for an existing OUT is refused as another config (other tokens).
     if request.engine != "transformers":
@@ -292,13 +298,8 @@ def _run_on_replicas(request: EvalRequest, questions: list[Any],
         except ReplicaSettingsError as exc:
             raise EvalError(str(exc)) from None
         out = Path(request.out)
-        config = {
-            "models": models,
-            "data": [{"path": path, "checksum": _file_checksum(path)} for path in request.data],
-            "data_source": request.data_source, "limit": request.limit,
-            "modes": request.modes, "settings": settings.as_dict(), "index": None,
-            "questions": len(questions), "replicas": {"namespace": target.namespace},
-        }
+        config = {**_run_config(request, models, len(questions), settings, None),
+                  "replicas": {"namespace": target.namespace}}
         try:
             check_config(out, config)
         except ConfigMismatch as exc:
