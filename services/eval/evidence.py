@@ -65,6 +65,7 @@ from services.common.evidence import (  # noqa: F401 (this module's public names
 from services.common.formats import passages_to_string, probe_rule
 from services.common.trajectory import Trajectory
 from services.eval.stats import mean, score_response
+from services.rollout.evidence import tool_evidence_prompts
 from services.rollout.probe import reasoning_span
 
 EVIDENCE_MAX_TOKENS = 500  # as a turn may have (`--max-tokens-per-turn`'s default)
@@ -130,46 +131,12 @@ def prepare_tool_calls(chat: ToolChat, trajectory: Trajectory,
     """The probe prompts of one tool_calls trajectory (see the module doc), or None when it
     retrieved nothing to replace. `messages`: the prompt messages it was played from (the
     context the template renders tool messages after)."""
-    tokenizer = chat.turns.tokenizer
-    response = [int(t) for t in trajectory.response_ids]
-    runs = information_runs(trajectory.turns, len(response))
-    if trajectory.num_searches == 0 or not runs:
+    if trajectory.num_searches == 0:
         return None
-    rule = probe_rule(trajectory.data_source, protocol="tool_calls")
-    span = reasoning_span(tokenizer, response, [int(m) for m in trajectory.loss_mask], rule)
-    cut = evidence_cut(runs, span.end)
-    if cut is None:
-        return None
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    closer = chat.turns.closer
-    # The turn before each run: did it end on the end-of-turn token itself (then the template's
-    # closer is not inserted again), as the loop decides from the engine's finish.
-    ends = []
-    for turn in trajectory.turns:
-        last = response[turn.end - 1] if turn.end > turn.start else None
-        text = (tokenizer.decode([last], skip_special_tokens=False)
-                if last is not None and last in special else "")
-        ends.append((turn.end, text if text and closer.startswith(text) else ""))
-    end_of = dict(ends)
-
-    def rendered(content: str, run_start: int) -> list[int]:
-        ids = tokenizer.encode(content, add_special_tokens=False)
-        if len(ids) > max_obs_length:
-            content = tokenizer.decode(ids[:max_obs_length], skip_special_tokens=False)
-        return chat.turns.inserted_ids(messages, [{"role": "tool", "name": "search",
-                                                   "content": content}],
-                                       end_of.get(run_start, ""))
-
-    prompt = [int(t) for t in trajectory.prompt_ids]
-    before = [run for run in runs if run[0] < cut]
-    prompts: dict[str, list[int] | None] = {
-        "real": rebuild_each(prompt, response, cut, before, [response[a:b] for a, b in before]),
-        "none": rebuild_each(prompt, response, cut, before,
-                             [rendered("", start) for start, _ in before]),
-        "swapped": None if swapped is None else rebuild_each(
-            prompt, response, cut, before, [rendered(swapped, start) for start, _ in before]),
-    }
-    return Prepared(prompts)
+    prompts = tool_evidence_prompts(
+        chat.turns, trajectory.prompt_ids, trajectory.response_ids, trajectory.loss_mask,
+        trajectory.turns, trajectory.data_source, messages, swapped, max_obs_length)
+    return None if prompts is None else Prepared(prompts)
 
 
 def force_answers(engine: Any, prepared: Mapping[str, Prepared], ground_truth: Mapping[str, Any],

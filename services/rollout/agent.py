@@ -48,7 +48,12 @@ from services.common.tools import ToolSpec
 from services.common.trajectory import EvidenceProbe, Probe, PromptGroup, Trajectory, Turn
 from services.rollout import metrics
 from services.rollout.engine import Engine, GenerationOutput, GenerationRequest, SamplingParams
-from services.rollout.evidence import DonorPool, evidence_prompts, has_evidence
+from services.rollout.evidence import (
+    DonorPool,
+    evidence_prompts,
+    has_evidence,
+    tool_evidence_prompts,
+)
 from services.rollout.probe import (
     ProbeSettings,
     cut_suffixes,
@@ -616,6 +621,9 @@ class AgentLoop:
             turn = state.turns[-1] if state.turns else None
             if turn is not None and turn.action == "search" and turn.docs is None:
                 turn.docs = doc_refs(docs)
+            if self.evidence.enable and state.group.kind == "train":
+                # a donor for other questions' `swapped` variant: the search tool's result
+                self._donors.add(state.group.uid, state.group.ground_truth, content)
         state.tool_results[slot] = ("search", content)
         return all(result is not None for result in state.tool_results)
 
@@ -786,24 +794,34 @@ class AgentLoop:
         (`swapped`); the rewrites travel on the trajectory, the scorer grades them."""
         settings = self.evidence
         if state.evidence is not None or state.finish_reason == "error" \
-                or state.group.kind == "eval" or self.tool_mode or not has_evidence(state.turns):
+                or state.group.kind == "eval" or not has_evidence(state.turns):
             return
         version = min((turn.policy_version for turn in state.turns), default=0)
         if version % settings.every_k_versions != 0 \
                 or self._evidence_rng.random() >= settings.fraction:
             return
         donor = self._donors.draw(state.group.uid, state.group.ground_truth, self._evidence_rng)
-        prompts = evidence_prompts(
-            self.tokenizer, state.prompt_ids, state.response, state.mask, state.turns,
-            state.group.data_source, donor[1] if donor else None, self.settings.max_obs_length)
+        swapped = donor[1] if donor else None
+        stops: tuple[str, ...] = EVIDENCE_STOPS
+        if self.chat is not None:  # tool_calls: the replaced evidence is tool messages
+            prompts = tool_evidence_prompts(
+                self.chat, state.prompt_ids, state.response, state.mask, state.turns,
+                state.group.data_source, state.messages, swapped, self.settings.max_obs_length)
+            stops = tuple(dict.fromkeys(("</answer>", *self._tool_stops)))
+        else:
+            prompts = evidence_prompts(
+                self.tokenizer, state.prompt_ids, state.response, state.mask, state.turns,
+                state.group.data_source, swapped, self.settings.max_obs_length)
         if prompts is None:
             return
         params = SamplingParams(
             temperature=settings.temperature, top_p=1.0,
             max_tokens=settings.max_tokens or self.settings.max_tokens_per_turn,
-            stop=EVIDENCE_STOPS,
+            stop=stops, stop_token_ids=self._tool_stop_ids,
         )
-        built = {variant: ids for variant, ids in prompts.items() if ids is not None}
+        # `real` is the trajectory's own answer (graded by the reward already): not rewritten
+        built = {variant: ids for variant, ids in prompts.items()
+                 if ids is not None and variant != "real"}
         state.evidence = EvidenceProbe(samples={variant: [] for variant in built},
                                        donor=donor[0] if donor and "swapped" in built else None)
         requests = [GenerationRequest(list(ids), params, tag=("evidence", state, variant))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,7 @@ from services.common.evidence import (
     evidence_cut,
     information_runs,
     pick_donor,
+    rebuild_each,
     variant_prompts,
 )
 from services.common.formats import probe_rule
@@ -85,8 +86,8 @@ def evidence_prompts(tokenizer: Any, prompt_ids: Sequence[int], response: Sequen
                      swapped: str | None, max_obs_length: int
                      ) -> dict[str, list[int] | None] | None:
     """The `none` and `swapped` prompts of one trajectory (`swapped` None without a donor), or
-    None when it has no evidence before its answer. Tags protocol only (the replacement blocks
-    are `<information>` text)."""
+    None when it has no evidence before its answer. Tags protocol (the replacement blocks
+    are `<information>` text; tool calls: `tool_evidence_prompts`)."""
     runs = information_runs(turns, len(response))
     if not runs:
         return None
@@ -99,6 +100,57 @@ def evidence_prompts(tokenizer: Any, prompt_ids: Sequence[int], response: Sequen
         return list(tokenizer.encode(text, add_special_tokens=False))[:max_obs_length]
 
     return variant_prompts(prompt_ids, response, runs, cut, encode, swapped, REPLACED)
+
+
+def tool_evidence_prompts(chat: Any, prompt_ids: Sequence[int], response: Sequence[int],
+                          mask: Sequence[int], turns: Sequence[Turn], data_source: str,
+                          messages: Sequence[Mapping[str, Any]], swapped: str | None,
+                          max_obs_length: int) -> dict[str, list[int] | None] | None:
+    """The `real`, `none` and `swapped` prompts of one tool_calls trajectory (`swapped` None
+    without a donor), or None when it retrieved nothing before its answer. The evidence is
+    what the loop inserted after each search call that retrieved (the rest of the turn's
+    closer, the `tool` message, the next assistant header); each is replaced by the same chat
+    template's rendering of a `search` tool message whose content is empty (`none`) or the
+    donor's passages (`swapped`), cut to `max_obs_length` tokens as the loop cuts tool
+    results. `chat` is the loop's ChatTurns; `messages` the prompt messages the trajectory was
+    played from (the context the template renders tool messages after)."""
+    tokenizer = chat.tokenizer
+    response = [int(t) for t in response]
+    runs = information_runs(turns, len(response))
+    if not runs:
+        return None
+    span = reasoning_span(tokenizer, response, [int(m) for m in mask],
+                          probe_rule(data_source, protocol="tool_calls"))
+    cut = evidence_cut(runs, span.end)
+    if cut is None:
+        return None
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    closer = chat.closer
+    # Whether the turn before each run ended on the end-of-turn token itself (then the
+    # template's closer is not inserted again), as the loop decided from the engine's finish.
+    end_of: dict[int, str] = {}
+    for turn in turns:
+        last = response[turn.end - 1] if turn.end > turn.start else None
+        text = (tokenizer.decode([last], skip_special_tokens=False)
+                if last is not None and last in special else "")
+        end_of[turn.end] = text if text and closer.startswith(text) else ""
+
+    def rendered(content: str, run_start: int) -> list[int]:
+        ids = tokenizer.encode(content, add_special_tokens=False)
+        if len(ids) > max_obs_length:
+            content = tokenizer.decode(ids[:max_obs_length], skip_special_tokens=False)
+        return chat.inserted_ids(messages, [{"role": "tool", "name": "search",
+                                             "content": content}], end_of.get(run_start, ""))
+
+    prompt = [int(t) for t in prompt_ids]
+    before = [run for run in runs if run[0] < cut]
+    return {
+        "real": rebuild_each(prompt, response, cut, before, [response[a:b] for a, b in before]),
+        "none": rebuild_each(prompt, response, cut, before,
+                             [rendered("", start) for start, _ in before]),
+        "swapped": None if swapped is None else rebuild_each(
+            prompt, response, cut, before, [rendered(swapped, start) for start, _ in before]),
+    }
 
 
 def has_evidence(turns: Sequence[Turn]) -> bool:

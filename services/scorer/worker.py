@@ -214,9 +214,9 @@ class ScorerWorker:
             return None
         try:
             text = response_text(self.tokenizer, trajectory)
+            extra_info = self._extra_info(trajectory, self.tool_info)
             item = _Item(message, trajectory, [ScoreRequest(
-                trajectory.data_source, text, trajectory.ground_truth,
-                self._extra_info(trajectory, self.tool_info))])
+                trajectory.data_source, text, trajectory.ground_truth, extra_info)])
             if trajectory.probe is not None:
                 suffix = default_suffix(trajectory.data_source, self.config.probe.suffix)
                 item.probe_sizes = []
@@ -226,8 +226,12 @@ class ScorerWorker:
                                                       trajectory.ground_truth, for_probe=True)
                                          for sample in group)
             if trajectory.evidence is not None:
+                # `real`: the response as the reward reads it (a tool_calls one: its last
+                # turn's answer, never an <answer> quoted in a tool result); each rewrite is a
+                # single final turn, read alike in both protocols
                 item.requests.append(ScoreRequest(trajectory.data_source, text,
-                                                  trajectory.ground_truth, for_probe=True))
+                                                  trajectory.ground_truth, extra_info,
+                                                  for_probe=True))
                 item.evidence_sizes = []
                 for variant, rewrites in trajectory.evidence.samples.items():
                     item.evidence_sizes.append((variant, len(rewrites)))

@@ -165,7 +165,9 @@ def test_protocol_setting_in_config_and_cli(tmp_path):
     parser = build_parser("eval")
     base = ["--model", "m", "--data", "d", "--mode", "agent", "--out", str(tmp_path)]
     assert parser.parse_args([*base, "--protocol", "tool_calls"]).protocol == "tool_calls"
-    assert parser.parse_args(base).protocol == "tags"
+    # not given: None, so a run through replicas can tell it from a choice; in process the
+    # evaluation's default, tags
+    assert parser.parse_args(base).protocol is None and EvalSettings().protocol == "tags"
     with pytest.raises(SystemExit):
         parser.parse_args([*base, "--protocol", "json"])
     assert json.dumps(EvalSettings(protocol="tool_calls").as_dict())

@@ -99,3 +99,56 @@ def test_no_evidence_no_probe_and_the_donor_pool_is_bounded(engine):
         assert sorted(trajectory.evidence.samples) == ["none", "swapped"]
         assert all(len(texts) == 1 and isinstance(texts[0], str)
                    for texts in trajectory.evidence.samples.values())
+
+
+def test_tool_calls_variants_replace_the_tool_messages(engine):
+    """The tool_calls protocol: the evidence is the tool message the loop inserted after the
+    search call; `none` renders an empty search tool message in its place, `swapped` one with
+    another question's search result, each followed by the next assistant header, as the
+    template renders them."""
+    import json
+
+    tok = engine.tokenizer
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    seen: dict[str, dict[str, str]] = {}
+
+    def call(name: str) -> str:
+        return ("<tool_call>\n" + json.dumps({"name": "search", "arguments": {"query": name}})
+                + "\n</tool_call>")
+
+    def forced(request):
+        if request.tag[0] == "evidence":
+            seen.setdefault(request.tag[1].group.uid, {})[request.tag[2]] = tok.decode(
+                request.prompt_ids)
+            return tok.encode("<answer> Corvale </answer>", add_special_tokens=False)
+        state = request.tag[1]
+        name = state.group.uid.split("-")[1]
+        if not state.turns:
+            return tok.encode(f"<think> I need {name} </think>\n{call(name)}",
+                              add_special_tokens=False)
+        return tok.encode(f"<think> ok </think>\n<answer> {BORN[name]} </answer>",
+                          add_special_tokens=False) + [eos]
+
+    engine.forced_tokens = forced
+    agent = AgentLoop(engine, LoopSettings(max_tokens_per_turn=128, protocol="tool_calls",
+                                           tools=["search"]), StubRetriever(),
+                      ProbeSettings(evidence=EvidenceSettings(enable=True)))
+    try:
+        trajectories = {t.uid: t for t in agent.run(_groups())}
+    finally:
+        agent.close()
+        engine.forced_tokens = None
+    brixol = trajectories["g-Brixol"]
+    assert brixol.protocol == "tool_calls" and brixol.evidence.donor == "g-Tamra"
+    assert brixol.evidence.samples == {"none": ["<answer> Corvale </answer>"],
+                                       "swapped": ["<answer> Corvale </answer>"]}
+    prompts = seen["g-Brixol"]
+    real = tok.decode(brixol.prompt_ids.tolist() + brixol.response_ids.tolist())
+    head = real[: real.index("</tool_call>") + len("</tool_call>")]
+    for variant, text in prompts.items():
+        assert text.startswith(head), variant  # the call as generated, then the replacement
+        assert text.endswith("<|im_start|>assistant\n")  # cut before the answer turn
+        assert "Brixol was born in Corvale" not in text and "<answer>" not in text
+    assert "<|im_start|>tool\n<|im_end|>" in prompts["none"]  # an empty search result
+    assert 'Doc 1(Title: "Tamra") Tamra was born in Dunmore.' in prompts["swapped"]
+    assert "Brixol was born in Corvale" in real  # what both variants replaced
