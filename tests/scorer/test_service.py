@@ -151,13 +151,19 @@ def test_tool_calls_trajectories_are_scored_by_their_protocol(redis_url, namespa
         _tool_calls_trajectory(tokenizer, [(search("France"), passage), (search("Lyon"), None)]),
         # a tags record beside them, read as before: 1 + 0.5 * 1
         make_trajectory("nq", "<think>x</think>\n<answer> Paris </answer>", QA_GT),
+        # probe.evidence: `real` is read as the reward reads it, so the gold quoted in a tool
+        # result is not the policy's answer (no final answer: real 0)
+        _tool_calls_trajectory(tokenizer, [
+            (search("France"), passage.replace("Lyon", "Paris")), (search("Lyon"), None)]),
     ]
+    trajectories[-1].evidence = EvidenceProbe({"none": ["<answer> Paris </answer>"]})
     streams.ensure_group("rollouts")
     streams.publish_many("rollouts", [encode(t) for t in trajectories])
     worker.run(max_batches=1)
     scored = {s.trajectory.sample_id: s for s in _scored(streams)}
     assert [scored[t.sample_id].reward for t in trajectories] == pytest.approx(
-        [1.5, 1.4, 0.0, 1.5])
+        [1.5, 1.4, 0.0, 1.5, 0.0])
+    assert scored[trajectories[-1].sample_id].evidence_scores == {"real": 0.0, "none": 1.0}
     first = scored[trajectories[0].sample_id]
     assert first.trajectory.protocol == "tool_calls"
     assert first.reward_components == {"qa_em": 1.0, "qa_em_format": 1.0}
