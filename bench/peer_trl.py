@@ -285,7 +285,8 @@ def prebuild_deepspeed_ops() -> float:
 
 
 def run_forage(policy: Path, task: dict[str, Path], out: Path, steps: int, staleness: int,
-               save_every: int, threads: int = 0, seed: int | None = None) -> RunResult:
+               save_every: int, threads: int = 0, seed: int | None = None,
+               overrides: list[str] | None = None) -> RunResult:
     from services.common.config import load_config
 
     name = f"forage (max_staleness {staleness})"
@@ -302,7 +303,7 @@ def run_forage(policy: Path, task: dict[str, Path], out: Path, steps: int, stale
             f"learner.save_every={save_every}", f"learner.checkpoint_dir={run_dir / 'ckpt'}",
             f"redis.namespace=peer-trl-{time.strftime('%Y%m%d-%H%M%S')}-s{staleness}",
             "learner.weight_sync_port=0", "learner.metrics_port=0", "scorer.port=0",
-            "scorer.metrics_port=0"]
+            "scorer.metrics_port=0", *(overrides or [])]
     cfg = load_config(CONFIG, sets)
     argv = [sys.executable, "-m", "services.cli", "up", "--config", str(CONFIG),
             *[a for s in sets for a in ("--set", s)]]
@@ -336,11 +337,13 @@ def run_forage(policy: Path, task: dict[str, Path], out: Path, steps: int, stale
 # ---------------------------------------------------------------------------- TRL
 
 def trl_settings(policy: Path, task: dict[str, Path], out: Path, steps: int, save_every: int,
-                 per_device: int, seed: int | None = None) -> dict[str, Any]:
-    """GRPOConfig values derived from configs/peer_trl.yaml (the table in bench/README.md)."""
+                 per_device: int, seed: int | None = None,
+                 overrides: list[str] | None = None) -> dict[str, Any]:
+    """GRPOConfig values derived from configs/peer_trl.yaml (the table in bench/README.md),
+    with the same `--set` overrides Forage's run gets."""
     from services.common.config import load_config
 
-    cfg = load_config(CONFIG, [])
+    cfg = load_config(CONFIG, list(overrides or []))
     lrn, alg = cfg.learner, cfg.learner.algorithm
     batch = lrn.train_batch_size * cfg.data.n_samples  # completions per optimizer step
     if batch % per_device:
@@ -658,6 +661,13 @@ def main(argv: list[str] | None = None) -> int:
                              "other seeds to tell a score gap from sampling noise")
     parser.add_argument("--trl-first", action="store_true",
                         help="run TRL before Forage (alternate the order between repeats)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE",
+                        help="a configs/peer_trl.yaml key for both tools, e.g. "
+                             "rollout.max_tokens_per_turn=256 (TRL's max_completion_length "
+                             "follows); repeatable")
+    parser.add_argument("--no-eval", action="store_true",
+                        help="speed only: skip the held-out evaluation of the checkpoints")
     parser.add_argument("--out", default=str(CACHE / "run"), help="run folder")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -681,9 +691,12 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"note: TRL {trl.__version__}; the settings were read from {TRL_VERSION}'s source")
     if args.steps < 2 or args.save_every < 1:
         raise BenchError("--steps must be at least 2 and --save-every at least 1")
-    from services.common.config import load_config
+    from services.common.config import ConfigError, load_config
 
-    cfg = load_config(CONFIG, [])
+    try:
+        cfg = load_config(CONFIG, args.overrides)
+    except ConfigError as exc:
+        raise BenchError(f"--set: {exc}") from None
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     world, policy, how = warm_start(args.policy, args.world)
@@ -694,7 +707,7 @@ def _bench(args: argparse.Namespace) -> int:
           flush=True)
     results: list[RunResult] = []
     settings = trl_settings(policy, task, out, args.steps, args.save_every, args.trl_micro_batch,
-                            args.seed)
+                            args.seed, args.overrides)
     plan = [("forage", 1), ("trl", None)] + ([] if args.no_sync else [("forage", 0)])
     if args.trl_first:
         plan = [plan[1], plan[0], *plan[2:]]
@@ -705,10 +718,16 @@ def _bench(args: argparse.Namespace) -> int:
             results.append(run_trl(settings, out))
         else:
             results.append(run_forage(policy, task, out, args.steps, staleness,
-                                      args.save_every, args.forage_threads, args.seed))
+                                      args.save_every, args.forage_threads, args.seed,
+                                      args.overrides))
         res = results[-1]
         print(f"  {res.name}: {_fmt(res.steps_per_min())} steps/min, wall {res.wall_s:.0f} s",
               flush=True)
+    trl_rate = next(r for r in results if r.name.startswith("trl")).steps_per_min()
+    forage_async = next(r for r in results if r.name == "forage (max_staleness 1)")
+    if args.no_eval:
+        return _speed_only(results, out, how, args, settings,
+                           forage_async.steps_per_min() / trl_rate)
     # after the same wall time: the shorter of the runs' lengths (launch to last step)
     same_time = min(r.times[-1] for r in results)
     stops = list(cfg.rollout.stop_strings)
@@ -744,9 +763,32 @@ def _bench(args: argparse.Namespace) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print("\n".join(lines))
     print(f"summary: {out / 'summary.json'}")
-    trl_rate = next(r for r in results if r.name.startswith("trl")).steps_per_min()
-    forage_async = next(r for r in results if r.name == "forage (max_staleness 1)")
     print(f"ratio: {forage_async.steps_per_min() / trl_rate:.2f}")
+    return 0
+
+
+def _speed_only(results: list[RunResult], out: Path, how: str, args: argparse.Namespace,
+                settings: dict[str, Any], ratio: float) -> int:
+    """`--no-eval`: the rates of each run (no checkpoint is evaluated), summary.json, ratio."""
+    lines = [f"{'tool':28}{'s/step':>8}{'steps/min':>10}{'traj/s':>8}{'gen tok/s':>10}"
+             f"{'peak PSS':>10}{'load':>11}"]
+    for res in results:
+        rates = res.rates()
+        lines.append(
+            f"{res.name:28}{_fmt(rates['s_per_step']):>8}{_fmt(rates['steps_per_min']):>10}"
+            f"{_fmt(rates['trajectories_per_s']):>8}{_fmt(rates['gen_tokens_per_s'], 1):>10}"
+            f"{res.memory.pss_bytes / 2**30:>9.2f}G"
+            f"{res.load_before:>5.1f}->{res.load_after:<4.1f}")
+    for res in results:
+        lines.append(f"  {res.name} per step: " + ", ".join(
+            f"{k} {v:.2f} s" for k, v in res.phases.items()))
+    summary = {"policy": how, "steps": args.steps, "overrides": args.overrides,
+               "runs": [{**asdict(r), "rates": r.rates()} for r in results],
+               "trl_settings": settings}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print("\n".join(lines))
+    print(f"summary: {out / 'summary.json'}")
+    print(f"ratio: {ratio:.2f}")
     return 0
 
 

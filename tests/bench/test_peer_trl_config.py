@@ -46,6 +46,14 @@ def test_trl_settings_match_forage_config(tmp_path: Path) -> None:
     reseeded = bench.trl_settings(tmp_path / "p", task, tmp_path, steps=7, save_every=3,
                                   per_device=16, seed=3)["grpo"]
     assert reseeded["seed"] == 3 and reseeded["shuffle_dataset"] is False  # same prompt order
+    # `--set` reaches TRL's settings as it reaches Forage's config (long responses, a smaller step)
+    longer = bench.trl_settings(tmp_path / "p", task, tmp_path, steps=7, save_every=3,
+                                per_device=4, overrides=[
+                                    "rollout.max_tokens_per_turn=256", "rollout.stop_strings=[]",
+                                    "learner.train_batch_size=2"])
+    assert longer["grpo"]["max_completion_length"] == 256 and longer["stop_strings"] == []
+    assert longer["grpo"]["per_device_train_batch_size"] * longer["grpo"][
+        "gradient_accumulation_steps"] == 2 * cfg.data.n_samples
 
 
 def test_micro_batch_must_divide_the_step(tmp_path: Path) -> None:
