@@ -107,11 +107,13 @@ def build_task(world: Path, policy: Path, seed: int) -> dict[str, Path]:
     from services.tasks.datasets import load_rows, write_rows
     from services.tasks.sft import DemoBuilder, prefetch
 
-    key = hashlib.sha256(f"{world}|{seed}".encode()).hexdigest()[:10]
+    # the prompts are rendered with the policy's chat template: another policy, other prompts
+    key = hashlib.sha256(f"{world}|{seed}|{policy}".encode()).hexdigest()[:10]
     out = CACHE / f"task-a-{key}"
     files = {"train": out / "train.parquet", "test": out / "test.parquet"}
     stamp = out / "source.json"
-    source = {"world": str(world), "mtime": (world / "world.json").stat().st_mtime, "seed": seed}
+    source = {"world": str(world), "mtime": (world / "world.json").stat().st_mtime, "seed": seed,
+              "policy": str(policy)}
     if all(p.exists() for p in files.values()) and stamp.exists() and \
             json.loads(stamp.read_text()) == source:
         return files
