@@ -260,8 +260,7 @@ def create_app(index_dir: str | Path, settings: RetrieverSection, device: str | 
 
                 searcher = Searcher.load(
                     index_dir, device=device, query_dtype=query_dtype, mmap=settings.mmap,
-                    search_params={"nprobe": settings.nprobe, "ef_search": settings.ef_search,
-                                   "k_factor": settings.k_factor},
+                    search_params=settings.search_overrides,
                     encoder_device=encoder_device, index_device=index_device,
                     index_gpu_mode=settings.index_gpu_mode)
             state.searcher = searcher
@@ -391,9 +390,7 @@ def create_app(index_dir: str | Path, settings: RetrieverSection, device: str | 
         results (services/common/retrieval_store.py): computed once, from its manifest."""
         if not served:
             manifest = getattr(state.searcher, "manifest", None)
-            served.update(served_fields(manifest, {"nprobe": settings.nprobe,
-                                                   "ef_search": settings.ef_search,
-                                                   "k_factor": settings.k_factor})
+            served.update(served_fields(manifest, settings.search_overrides)
                           if isinstance(manifest, dict) else
                           {"index_id": None, "search_settings": None})
         return served

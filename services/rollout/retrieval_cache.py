@@ -80,9 +80,7 @@ def _identity(cache: Any, retriever: Any
         manifest = read_index_manifest(index_dir)
     except StoreError as exc:
         raise RetrievalCacheError(f"{KEY}.index: {exc}") from None
-    settings = search_settings(manifest, {"nprobe": retriever.nprobe,
-                                          "ef_search": retriever.ef_search,
-                                          "k_factor": retriever.k_factor})
+    settings = search_settings(manifest, retriever.search_overrides)
     return index_identity(manifest), settings, manifest
 
 

@@ -102,6 +102,13 @@ class RetrieverSection(Section):
         """The FAISS index's device: index_device, or device when that is unset."""
         return self.index_device or self.device
 
+    @property
+    def search_overrides(self) -> dict[str, int | None]:
+        """The query-time settings this server puts over the build's (None: the build's):
+        what the searcher loads with and what /healthz and the retrieval store key results
+        by, so each knob is named in one place."""
+        return {"nprobe": self.nprobe, "ef_search": self.ef_search, "k_factor": self.k_factor}
+
     @model_validator(mode="after")
     def _request_holds_one_query(self) -> RetrieverSection:
         if self.max_request_chars < self.max_query_chars:
