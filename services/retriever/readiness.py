@@ -19,31 +19,28 @@ def healthz_url(retrieve_url: str) -> str:
     return urllib.parse.urljoin(retrieve_url, "/healthz")
 
 
-def probe(url: str, timeout_s: float = 5.0) -> str | None:
-    """None when `url` answers 200, else why not (refused, no such name, HTTP 503, ...)."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as reply:
-            return None if reply.status == 200 else f"HTTP {reply.status}"
-    except urllib.error.HTTPError as exc:
-        return f"HTTP {exc.code}"
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        return str(reason)
-
-
-def served_index(url: str, timeout_s: float = 5.0) -> str | None:
-    """The `index_id` a ready retriever's /healthz reports (the identity recorded search
-    results are keyed by), or None when it reports none or the read fails: only for the
-    ready line, so a start-up gate never fails on it."""
+def probe(url: str, timeout_s: float = 5.0) -> tuple[str | None, str | None]:
+    """(why not, index id): why is None when `url` answers 200 (else refused, no such name,
+    HTTP 503, ...); the index id is the `index_id` that 200's body reports (the identity
+    recorded search results are keyed by), None when it reports none. Only the ready line
+    shows the id, so an unreadable body never fails the start-up gate."""
     import json
 
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as reply:
-            body = json.loads(reply.read())
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
+            if reply.status != 200:
+                return f"HTTP {reply.status}", None
+            try:
+                body = json.loads(reply.read())
+            except (OSError, ValueError):
+                return None, None
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}", None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return str(reason), None
     identity = body.get("index_id") if isinstance(body, dict) else None
-    return identity if isinstance(identity, str) else None
+    return None, identity if isinstance(identity, str) else None
 
 
 def wait_until_ready(retrieve_url: str, timeout_s: float = 0.0, interval_s: float = 2.0,
@@ -55,10 +52,9 @@ def wait_until_ready(retrieve_url: str, timeout_s: float = 0.0, interval_s: floa
     start = time.monotonic()
     logged: float | None = None
     while True:
-        why = probe(url)
+        why, identity = probe(url)
         now = time.monotonic()
         if why is None:
-            identity = served_index(url)
             print(f"retriever ready at {url} after {now - start:.0f} s"
                   + (f" (index {identity})" if identity else ""), file=out, flush=True)
             return True
