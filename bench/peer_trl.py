@@ -620,27 +620,41 @@ def _fmt(value: float, digits: int = 2) -> str:
         else f"{value:.{digits}f}"
 
 
+RATE_HEADER = (f"{'tool':28}{'s/step':>8}{'steps/min':>10}{'traj/s':>8}{'gen tok/s':>10}"
+               f"{'peak PSS':>10}")
+
+
+def _rate_cells(res: RunResult) -> str:
+    """A run's columns under RATE_HEADER: its rates and its peak PSS."""
+    rates = res.rates()
+    return (f"{res.name:28}{_fmt(rates['s_per_step']):>8}{_fmt(rates['steps_per_min']):>10}"
+            f"{_fmt(rates['trajectories_per_s']):>8}{_fmt(rates['gen_tokens_per_s'], 1):>10}"
+            f"{res.memory.pss_bytes / 2**30:>9.2f}G")
+
+
+def _load_cell(res: RunResult) -> str:
+    return f"{res.load_before:>5.1f}->{res.load_after:<4.1f}"
+
+
+def _phase_lines(results: list[RunResult]) -> list[str]:
+    return [f"  {res.name} per step: " + ", ".join(f"{k} {v:.2f} s" for k, v in
+                                                    res.phases.items()) for res in results]
+
+
 def report(results: list[RunResult], scores: dict[str, dict[str, Any]], base_em: float,
            steps: int, same_time_s: float) -> list[str]:
     lines = [f"held-out greedy EM of the SFT policy (step 0): {100 * base_em:.1f}%",
-             f"{'tool':28}{'s/step':>8}{'steps/min':>10}{'traj/s':>8}{'gen tok/s':>10}"
-             f"{'peak PSS':>10}{'peak RSS':>10}{'EM@' + str(steps):>9}"
+             f"{RATE_HEADER}{'peak RSS':>10}{'EM@' + str(steps):>9}"
              f"{'EM@' + str(round(same_time_s)) + 's':>12}{'load':>11}"]
     for res in results:
-        rates = res.rates()
         sc = scores[res.name]
         at_time = sc.get("em_time")
         lines.append(
-            f"{res.name:28}{_fmt(rates['s_per_step']):>8}{_fmt(rates['steps_per_min']):>10}"
-            f"{_fmt(rates['trajectories_per_s']):>8}{_fmt(rates['gen_tokens_per_s'], 1):>10}"
-            f"{res.memory.pss_bytes / 2**30:>9.2f}G{res.memory.rss_bytes / 2**30:>9.2f}G"
+            f"{_rate_cells(res)}{res.memory.rss_bytes / 2**30:>9.2f}G"
             f"{_fmt(100 * sc['em_steps'], 1):>8}%"
             f"{(_fmt(100 * at_time, 1) + '%@' + str(sc['time_step'])) if at_time is not None else 'n/a':>12}"
-            f"{res.load_before:>5.1f}->{res.load_after:<4.1f}")
-    for res in results:
-        lines.append(f"  {res.name} per step: " + ", ".join(
-            f"{k} {v:.2f} s" for k, v in res.phases.items()))
-    return lines
+            f"{_load_cell(res)}")
+    return lines + _phase_lines(results)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -772,18 +786,9 @@ def _bench(args: argparse.Namespace) -> int:
 def _speed_only(results: list[RunResult], out: Path, how: str, args: argparse.Namespace,
                 settings: dict[str, Any], ratio: float) -> int:
     """`--no-eval`: the rates of each run (no checkpoint is evaluated), summary.json, ratio."""
-    lines = [f"{'tool':28}{'s/step':>8}{'steps/min':>10}{'traj/s':>8}{'gen tok/s':>10}"
-             f"{'peak PSS':>10}{'load':>11}"]
-    for res in results:
-        rates = res.rates()
-        lines.append(
-            f"{res.name:28}{_fmt(rates['s_per_step']):>8}{_fmt(rates['steps_per_min']):>10}"
-            f"{_fmt(rates['trajectories_per_s']):>8}{_fmt(rates['gen_tokens_per_s'], 1):>10}"
-            f"{res.memory.pss_bytes / 2**30:>9.2f}G"
-            f"{res.load_before:>5.1f}->{res.load_after:<4.1f}")
-    for res in results:
-        lines.append(f"  {res.name} per step: " + ", ".join(
-            f"{k} {v:.2f} s" for k, v in res.phases.items()))
+    lines = [f"{RATE_HEADER}{'load':>11}",
+             *(f"{_rate_cells(res)}{_load_cell(res)}" for res in results),
+             *_phase_lines(results)]
     summary = {"policy": how, "steps": args.steps, "overrides": args.overrides,
                "runs": [{**asdict(r), "rates": r.rates()} for r in results],
                "trl_settings": settings}
