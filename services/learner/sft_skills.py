@@ -51,7 +51,7 @@ from services.common.tool_calls import (
     TOOL_CALL_OPEN,
     ToolCall,
     after_reasoning,
-    parse_call,
+    parse_tool_calls,
     parse_turn,
     turn_format,
 )
@@ -63,6 +63,8 @@ TAGS, TOOL_CALLS = "tags", "tool_calls"
 # Where a tool_calls query item's teacher-forced head ends: the opening quote of the query's
 # JSON string, as `json.dumps` writes the demonstrations' calls (services/tasks/sft.py).
 QUERY_OPENING = '"query": "'
+# The tools a measured call may name (the format reward's default, `turn_format(..., None)`).
+BUILTIN_SPECS = tuple(TOOL_REGISTRY.values())
 
 # A turn is `<think> … </think>` then one action; no tag inside either (a tag there means the
 # policy is emitting markup, not reasoning).
@@ -114,10 +116,10 @@ def called_query(turn: str) -> str | None:
     """The query of a tool_calls turn's first action when that action is a well-formed
     `search` call (after any leading think block), else None."""
     body = after_reasoning(cut_tool_turn(turn)).lstrip()
-    if not body.startswith(TOOL_CALL_OPEN) or TOOL_CALL_CLOSE not in body:
+    if not body.startswith(TOOL_CALL_OPEN):
         return None
-    inner = body[len(TOOL_CALL_OPEN): body.index(TOOL_CALL_CLOSE)]
-    call = parse_call(inner, TOOL_REGISTRY)
+    calls = parse_tool_calls(body, BUILTIN_SPECS)  # an unclosed call: an error, not a call
+    call = calls[0] if calls else None
     if not isinstance(call, ToolCall) or call.name != "search":
         return None
     return str(call.arguments.get("query", "")).strip()
@@ -133,7 +135,7 @@ def score_tool_item(kind: str, generated: str, target: str, head: str = "") -> d
     if kind == "query":
         return {"query": called_query(head + generated) == target.strip()}
     if kind == "answer":  # read as the rollout reads it: an answer that closes before any call
-        got = parse_turn(cut_tool_turn(generated), list(TOOL_REGISTRY.values())).answer
+        got = parse_turn(cut_tool_turn(generated), BUILTIN_SPECS).answer
         return {"answer": got is not None and normalize_answer(got) == normalize_answer(target)}
     raise ValueError(f"unknown skill item kind {kind!r}")
 
