@@ -23,6 +23,15 @@ VARIANTS: tuple[str, ...] = ("real", "none", "swapped")
 # a rewrite with the real evidence in forage eval).
 REPLACED: tuple[str, ...] = ("none", "swapped")
 EVIDENCE_STOPS = ("</answer>", "</search>")
+
+
+def rewrite_stops(turn_stops: Sequence[str] | None = None) -> tuple[str, ...]:
+    """Where a rewritten final turn stops: Search-R1's tags (EVIDENCE_STOPS), or with tool
+    calls (`turn_stops`: the loop's stops of a turn, `</tool_call>` and the end of turn)
+    `</answer>` and those."""
+    if turn_stops is None:
+        return EVIDENCE_STOPS
+    return tuple(dict.fromkeys(("</answer>", *turn_stops)))
 EMPTY_BLOCK = information_block([])
 
 

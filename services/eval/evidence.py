@@ -59,6 +59,7 @@ from services.common.evidence import (  # noqa: F401 (this module's public names
     information_runs,
     rebuild,
     rebuild_each,
+    rewrite_stops,
     swapped_block,
     variant_prompts,
 )
@@ -148,7 +149,7 @@ def force_answers(engine: Any, prepared: Mapping[str, Prepared], ground_truth: M
     assistant turn, special tokens kept (a tool call instead of an answer scores 0)."""
     from services.rollout.engine import GenerationRequest, SamplingParams, run_to_completion
 
-    stops = EVIDENCE_STOPS if chat is None else tuple(dict.fromkeys(("</answer>", *chat.stops)))
+    stops = rewrite_stops(None if chat is None else chat.stops)
     protocol = "tags" if chat is None else "tool_calls"
     requests, where = [], []
     for qid, item in prepared.items():

@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from services.common.evidence import EVIDENCE_STOPS
+from services.common.evidence import rewrite_stops
 from services.common.formats import (
     CORRECTIVE_MESSAGE,
     STOP_STRINGS,
@@ -802,12 +802,10 @@ class AgentLoop:
             return
         donor = self._donors.draw(state.group.uid, state.group.ground_truth, self._evidence_rng)
         swapped = donor[1] if donor else None
-        stops: tuple[str, ...] = EVIDENCE_STOPS
         if self.chat is not None:  # tool_calls: the replaced evidence is tool messages
             prompts = tool_evidence_prompts(
                 self.chat, state.prompt_ids, state.response, state.mask, state.turns,
                 state.group.data_source, state.messages, swapped, self.settings.max_obs_length)
-            stops = tuple(dict.fromkeys(("</answer>", *self._tool_stops)))
         else:
             prompts = evidence_prompts(
                 self.tokenizer, state.prompt_ids, state.response, state.mask, state.turns,
@@ -817,7 +815,8 @@ class AgentLoop:
         params = SamplingParams(
             temperature=settings.temperature, top_p=1.0,
             max_tokens=settings.max_tokens or self.settings.max_tokens_per_turn,
-            stop=stops, stop_token_ids=self._tool_stop_ids,
+            stop=rewrite_stops(self._tool_stops if self.chat is not None else None),
+            stop_token_ids=self._tool_stop_ids,
         )
         # `real` is the trajectory's own answer (graded by the reward already): not rewritten
         built = {variant: ids for variant, ids in prompts.items()
