@@ -6,9 +6,24 @@ and the session's tiny policy (`tiny_policy_dir` in tests/conftest.py)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+FORAGE = [sys.executable, "-m", "services.cli"]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def forage(*args: str, timeout: float = 300, one_thread: bool = False
+           ) -> subprocess.CompletedProcess:
+    """`forage ARGS` as a user runs it, from the repository root, output captured;
+    `one_thread`: with OMP_NUM_THREADS=1 (a child beside another process on the 2 cores)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1") if one_thread else None
+    return subprocess.run([*FORAGE, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=env)
 
 PEOPLE = [("Brixol", "Corvale"), ("Tamra", "Dunmore"), ("Velden", "Ashby"),
           ("Osric", "Pellam"), ("Marrow", "Ilford"), ("Quenby", "Harrow")]

@@ -5,20 +5,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-FORAGE = [sys.executable, "-m", "services.cli"]
-REPO = Path(__file__).resolve().parents[2]
-
-
-def forage(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([*FORAGE, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+from .conftest import FORAGE, REPO, forage
 
 
 @pytest.mark.parametrize(("case", "message"), [

@@ -12,10 +12,8 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 import yaml
@@ -24,14 +22,14 @@ from services.eval.evaluate import EvalError, EvalRequest, run
 from services.eval.replicas import Target
 from services.eval.runner import EvalSettings
 
-FORAGE = [sys.executable, "-m", "services.cli"]
-REPO = Path(__file__).resolve().parents[2]
+from .conftest import FORAGE, REPO
+from .conftest import forage as run_forage
+
 TOKENS = 8  # the replica's rollout.max_tokens_per_turn (not the eval's default, 500)
 
 
 def forage(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([*FORAGE, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return run_forage(*args, timeout=timeout, one_thread=True)
 
 
 @pytest.fixture(scope="module")
