@@ -64,6 +64,9 @@ def main() -> None:
     policy = make_test_policy(tempfile.mkdtemp(prefix="bench-learner-") + "/policy")
     cfg = LearnerSection(lr=1e-5, micro_batch_tokens=args.micro_batch_tokens, grad_clip=1.0)
     trainer = PolicyTrainer(str(policy), cfg)
+    # both sides compute every position's logits: this bench measures the engine wrapper (the
+    # kept-logits saving has its own bench, learner_logits.py)
+    trainer.keep_logits = False
     vocab = trainer.policy.module.config.vocab_size
     samples = make_batch(args.sequences, 0, vocab, args.min_len, args.max_len)
     try:

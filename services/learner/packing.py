@@ -279,6 +279,11 @@ class MicroBatch:
             None if self.kv_reach is None else self.kv_reach.to(device, non_blocking=True),
         )
 
+    def logit_positions(self) -> torch.Tensor:
+        """(K,) the row positions whose logits predict a loss token (p where token p + 1 has
+        loss mask 1), ascending: all a loss or log-prob pass reads (logprobs.KeptLogits)."""
+        return torch.nonzero(self.loss_mask[0, 1:] > 0).squeeze(-1)
+
     def mask_kwargs(self) -> dict[str, torch.Tensor]:
         """The forward's dense `attention_mask` (SDPA) for a row with shared prefixes; none
         otherwise (position-id restarts keep plain rows apart)."""

@@ -31,7 +31,14 @@ from services.learner.attention import (
     forward_kwargs,
 )
 from services.learner.engine import TrainEngine, param_dtype, use_bf16
-from services.learner.logprobs import token_entropy, token_logprobs, token_values
+from services.learner.logprobs import (
+    KeptLogits,
+    keeps_logits,
+    token_entropy,
+    token_logprobs,
+    token_sum_pi_squared,
+    token_values,
+)
 from services.learner.packing import (
     MicroBatch,
     Sample,
@@ -131,6 +138,9 @@ class PolicyTrainer:
                  "on" if self.share_prompts else "off")
         policy = load_causal_lm(model_path, self.device, self.dtype, self.attn_implementation,
                                 gradient_checkpointing)
+        # Logits only where a loss reads them (logprobs.KeptLogits); the reference model is
+        # the same class.
+        self.keep_logits = keeps_logits(policy)
         # LoRA: the base weights freeze and only the adapter trains (services/learner/lora.py);
         # TrainEngine hands DeepSpeed the parameters that require grad, so the optimizer state
         # is the adapter's alone.
@@ -269,9 +279,10 @@ class PolicyTrainer:
         self.policy.eval()
 
         def compute(mb: MicroBatch) -> dict[str, torch.Tensor]:
+            kept = self._kept(mb)
             with self._autocast():
-                logits = self._forward(self.policy, mb).logits
-            return {"entropy": token_entropy(logits, self.temperature)}
+                logits = self._forward(self.policy, mb, kept).logits
+            return {"entropy": token_entropy(logits, self.temperature, kept)}
 
         entropies = self._token_values(samples, indices, ("entropy",), compute)["entropy"]
         pooled = np.concatenate([entropies[i][samples[i].loss_mask > 0] for i in indices]
@@ -301,11 +312,12 @@ class PolicyTrainer:
         target = name or ("old_logprobs" if which == "policy" else "ref_logprobs")
 
         def compute(mb: MicroBatch) -> dict[str, torch.Tensor]:
+            kept = self._kept(mb)
             with self._autocast():
-                logits = self._forward(model, mb).logits
-            out = {target: token_logprobs(logits, mb.input_ids, self.temperature)}
+                logits = self._forward(model, mb, kept).logits
+            out = {target: token_logprobs(logits, mb.input_ids, self.temperature, kept)}
             if sum_pi_squared:
-                out["sum_pi_squared"] = token_sum_pi_squared(logits, self.temperature)
+                out["sum_pi_squared"] = token_sum_pi_squared(logits, self.temperature, kept)
             return out
 
         names = (target, "sum_pi_squared") if sum_pi_squared else (target,)
@@ -322,12 +334,28 @@ class PolicyTrainer:
 
         self._gather_field(samples, "values", compute)
 
-    def _forward(self, model: Any, mb: MicroBatch) -> Any:
+    def _forward(self, model: Any, mb: MicroBatch, kept: KeptLogits | None = None) -> Any:
         """One forward over a packed row, no KV cache: position ids restarting per sequence,
         plus what the kernel needs to keep sequences apart (attention.forward_kwargs: the
-        boundaries for flash-attn, a shared row's block mask for flex or dense mask for SDPA)."""
+        boundaries for flash-attn, a shared row's block mask for flex or dense mask for SDPA).
+        With `kept`, logits at those positions only."""
+        extra = {} if kept is None else {"logits_to_keep": kept.positions}
         return model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
-                     **forward_kwargs(self.attn_implementation, mb))
+                     **forward_kwargs(self.attn_implementation, mb), **extra)
+
+    def _kept(self, mb: MicroBatch) -> KeptLogits | None:
+        """The policy's (and reference's) forward computes logits only at the positions that
+        predict a loss token; None (every position) when the model cannot, or when the row has
+        no loss token (a dummy pass keeps its full forward, so every weight sees a backward)."""
+        if not self.keep_logits:
+            return None
+        positions = mb.logit_positions()
+        return KeptLogits(positions, mb.num_tokens) if positions.numel() else None
+
+    def _kept_in(self, mb: MicroBatch, logits: torch.Tensor) -> KeptLogits | None:
+        """Which positions `logits` (given to a loss) hold: every one when it spans the row
+        (a caller's own full forward), else the kept ones `_policy_out` computed."""
+        return None if logits.shape[1] == mb.num_tokens else self._kept(mb)
 
     def _autocast(self):
         if self.policy.bf16 and self.device.type == "cuda":
@@ -402,7 +430,7 @@ class PolicyTrainer:
 
     def _policy_out(self, mb: MicroBatch) -> torch.Tensor:
         with self._autocast():
-            return self._forward(self.policy, mb).logits
+            return self._forward(self.policy, mb, self._kept(mb)).logits
 
     # ------------------------------------------------------------------------------ SFT
 
@@ -410,7 +438,7 @@ class PolicyTrainer:
         self, mb: MicroBatch, logits: torch.Tensor, tokens: float, seqs: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Token-mean negative log-likelihood over trained tokens of the whole mini-batch."""
-        logp = token_logprobs(logits, mb.input_ids, 1.0)
+        logp = token_logprobs(logits, mb.input_ids, 1.0, self._kept_in(mb, logits))
         nll_sum = -(logp * mb.loss_mask).sum()
         loss = nll_sum / tokens
         return loss, {"loss": float(loss.detach())}
@@ -435,7 +463,7 @@ class PolicyTrainer:
             if not micro:
                 continue
             mb = self._pack(samples, micro)
-            logp = token_logprobs(self._policy_out(mb), mb.input_ids, 1.0)
+            logp = token_logprobs(self._policy_out(mb), mb.input_ids, 1.0, self._kept(mb))
             total += -(logp * mb.loss_mask).sum().double()
         D.all_reduce_sum(total)
         return float(total.item() / tokens)
@@ -456,7 +484,8 @@ class PolicyTrainer:
         from services.learner import algorithms as alg
 
         opt = self.options
-        logp = token_logprobs(logits, mb.input_ids, self.temperature)
+        kept = self._kept_in(mb, logits)
+        logp = token_logprobs(logits, mb.input_ids, self.temperature, kept)
 
         def rows(flat: torch.Tensor) -> torch.Tensor:
             matrix = mb.response_matrix(flat)
@@ -478,6 +507,11 @@ class PolicyTrainer:
             old = rows(mb.fields["old_logprobs"])
         else:
             old = log_prob.detach()
+        if kept is not None:
+            # a position without logits (never a loss token now, though rejection may have
+            # masked it after the old log-probs were read) takes the old value: ratio 1 there,
+            # so no unclamped loss or metric meets exp(0 - old) before its mask
+            log_prob = torch.where(mask > 0, log_prob, old)
         adv = rows(mb.fields["advantages"])
         weights = rows(mb.fields["rollout_is_weights"]) if "rollout_is_weights" in mb.fields \
             else None
@@ -495,7 +529,7 @@ class PolicyTrainer:
                 else old
             if opt.uses_entropy_mask:
                 if entropies is None:
-                    ent = rows(token_entropy(logits.detach(), self.temperature))
+                    ent = rows(token_entropy(logits.detach(), self.temperature, kept))
                 else:
                     ent = _response_rows(mb, entropies, mask.device)
                     ent = ent if pick is None else ent[pick]
@@ -527,7 +561,7 @@ class PolicyTrainer:
             loss = loss + opt.kl_loss_coef * kl
             metrics["kl_loss"] = float(kl.detach())
         if opt.entropy_coeff != 0.0:
-            ent = rows(token_entropy(logits, self.temperature))
+            ent = rows(token_entropy(logits, self.temperature, kept))
             ent_loss = alg.agg_loss(ent, mask, opt.loss_agg_mode, **counts)
             loss = loss - opt.entropy_coeff * ent_loss
             metrics["entropy"] = float(ent_loss.detach())
@@ -691,18 +725,6 @@ def _token_keep(
 def _require_step_index(samples: Sequence[Sample], indices: Sequence[int]) -> None:
     if any("step_index" not in samples[i].fields for i in indices):
         raise ValueError(STEP_INDEX_MISSING)
-
-
-def token_sum_pi_squared(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """(1, N) sum over the vocabulary of p^2 for the distribution that predicted token p
-    (aligned like token_logprobs; position 0 gets 0): exp(lse(2 z) - 2 lse(z)) of z = logits / T
-    (verl's calculate_sum_pi_squared_from_logits)."""
-    shifted = logits[:, :-1].float()
-    if temperature != 1.0:
-        shifted = shifted / temperature
-    value = torch.exp(torch.logsumexp(2.0 * shifted, dim=-1)
-                      - 2.0 * torch.logsumexp(shifted, dim=-1))
-    return torch.nn.functional.pad(value, (1, 0), value=0.0)
 
 
 def broadcast_samples(samples: list[Sample] | None) -> list[Sample]:
