@@ -62,7 +62,7 @@ def logits_mb(trainer, samples: list) -> tuple[float, float]:
     vocab = trainer.policy.module.config.vocab_size
     rows = [trainer._pack(samples, micro) for micro in trainer._plan(samples, indices)]
     full = max(mb.num_tokens for mb in rows) * vocab * 4 / 2**20
-    kept = max(len(mb.logit_positions()) for mb in rows) * vocab * 4 / 2**20
+    kept = max(len(mb.logit_positions) for mb in rows) * vocab * 4 / 2**20
     return full, kept
 
 

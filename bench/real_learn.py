@@ -91,7 +91,7 @@ SIZES: dict[str, tuple[Any, Any, Any]] = {
 }
 # The SFT demonstrations' mix per profile ("" = configs/demo.yaml's 0.3 good / 0.4 guess /
 # 0.3 sloppy, which leaves RL the search preference to raise). 24 SFT steps on that mix leave
-# SmolLM2 guessing: greedy play searched never (EM 0), sampling searched ~1 time in 4, and 5
+# SmolLM2 guessing: greedy play searched never (EM 0), sampling searched ~1 time in 4, and 6
 # GRPO steps moved neither; so the cpu profile's short SFT teaches searching ("good" only) and
 # its RL has the answers left to improve (bench/README.md, "Does it learn?").
 SFT_MIX = {"gpu": "", "cpu": "good=1.0", "quick": ""}

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -279,9 +280,11 @@ class MicroBatch:
             None if self.kv_reach is None else self.kv_reach.to(device, non_blocking=True),
         )
 
+    @cached_property
     def logit_positions(self) -> torch.Tensor:
         """(K,) the row positions whose logits predict a loss token (p where token p + 1 has
-        loss mask 1), ascending: all a loss or log-prob pass reads (logprobs.KeptLogits)."""
+        loss mask 1), ascending: all a loss or log-prob pass reads (logprobs.KeptLogits).
+        Computed once per row: the forward and its loss both ask."""
         return torch.nonzero(self.loss_mask[0, 1:] > 0).squeeze(-1)
 
     def mask_kwargs(self) -> dict[str, torch.Tensor]:

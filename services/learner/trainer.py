@@ -349,7 +349,7 @@ class PolicyTrainer:
         no loss token (a dummy pass keeps its full forward, so every weight sees a backward)."""
         if not self.keep_logits:
             return None
-        positions = mb.logit_positions()
+        positions = mb.logit_positions
         return KeptLogits(positions, mb.num_tokens) if positions.numel() else None
 
     def _kept_in(self, mb: MicroBatch, logits: torch.Tensor) -> KeptLogits | None:

@@ -42,7 +42,7 @@ def test_token_values_at_kept_positions_equal_the_full_forwards() -> None:
 def test_the_packed_row_keeps_the_positions_before_its_loss_tokens(samples_factory) -> None:
     samples = samples_factory(3)
     mb = pack(samples, [0, 1, 2], 0)
-    positions = mb.logit_positions()
+    positions = mb.logit_positions
     assert torch.equal(mb.loss_mask[0, positions + 1], torch.ones(len(positions)))
     assert len(positions) == int(mb.loss_mask.sum())
 
