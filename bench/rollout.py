@@ -10,8 +10,13 @@
    ≥ 1.5. The retriever is a local HTTP server with a fixed latency (--retrieve-ms), so the
    number measures scheduling, not the index. A second, stronger baseline (turn barrier but the
    engine refills slots within a turn, as vLLM would) is printed for information.
+3. multi-turn against plain `model.generate`: the same trajectories replayed through a
+   Search-R1-style loop on `model.generate` (each round, every unfinished trajectory's whole
+   context, left-padded, in batches of --batch; forced to the same turn tokens; stop strings
+   `</search>` / `</answer>`; the same observation tokens appended; one /retrieve per round).
+   Both sides process exactly the same tokens. Ratio: continuous ÷ that.
 
-Last line: `ratio: <single-turn> <multi-turn>`.
+Last line: `ratio: <single-turn> <multi-turn> <multi-turn against model.generate>`.
 
     .venv/bin/python bench/rollout.py [--model DIR] [--threads 1]
 """
@@ -132,7 +137,8 @@ def multi_turn_scripts(tokenizer, count: int, seed: int) -> list[list[list[int]]
     return scripts
 
 
-def run_multi(engine, url, scheduling: str, refill: bool, groups, scripts) -> tuple[float, int]:
+def run_multi(engine, url, scheduling: str, refill: bool, groups, scripts
+              ) -> tuple[float, int, list]:
     engine.refill = refill
     index = {}
 
@@ -152,6 +158,78 @@ def run_multi(engine, url, scheduling: str, refill: bool, groups, scripts) -> tu
     agent.close()
     tokens = sum(t.num_policy_tokens for t in trajs)
     assert all(t.finish_reason == "answer" for t in trajs), [t.finish_reason for t in trajs]
+    return tokens / elapsed, tokens, trajs
+
+
+def turn_segments(traj) -> list[tuple[list[int], list[int]]]:
+    """A trajectory's response as (policy turn tokens, observation tokens after it) pairs."""
+    segments: list[tuple[list[int], list[int]]] = []
+    for token, policy in zip(traj.response_ids.tolist(), traj.loss_mask.tolist(), strict=True):
+        if policy and (not segments or segments[-1][1]):
+            segments.append(([], []))
+        segments[-1][1 if not policy else 0].append(token)
+    return segments
+
+
+class ForceTurn:
+    """A `model.generate` logits processor that makes each row produce its scripted turn
+    (the same tokens the engine was forced to), then EOS; the model still runs every step."""
+
+    def __init__(self, scripts: list[list[int]], start: int, eos: int) -> None:
+        self.scripts, self.start, self.eos = scripts, start, eos
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1] - self.start
+        forced = [script[step] if step < len(script) else self.eos for script in self.scripts]
+        scores.fill_(float("-inf"))
+        scores[torch.arange(len(forced)), torch.tensor(forced)] = 0.0
+        return scores
+
+
+def run_generate_multi(engine, url: str, trajs, batch: int) -> tuple[float, int]:
+    """Search-R1's turn loop on plain `model.generate`, replaying `trajs` token for token:
+    no KV kept across turns (each round re-reads the whole context), no slot refill within
+    a round (a batch decodes until its last row stops). Returns (policy tokens/s, tokens)."""
+    from transformers import LogitsProcessorList
+
+    model, tok = engine.model, engine.tokenizer
+    eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    segments = [turn_segments(t) for t in trajs]
+    contexts = [t.prompt_ids.tolist() for t in trajs]
+    client = RetrieverClient(url, topk=2)
+    kwargs = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=pad,
+                  stop_strings=["</search>", "</answer>"], tokenizer=tok)
+    tokens = 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for round_ in range(max(len(s) for s in segments)):
+            active = [i for i, s in enumerate(segments) if len(s) > round_]
+            for first in range(0, len(active), batch):
+                rows = active[first : first + batch]
+                width = max(len(contexts[i]) for i in rows)
+                ids = torch.full((len(rows), width), pad, dtype=torch.long)
+                mask = torch.zeros((len(rows), width), dtype=torch.long)
+                for row, i in enumerate(rows):
+                    ids[row, width - len(contexts[i]):] = torch.tensor(contexts[i])
+                    mask[row, width - len(contexts[i]):] = 1
+                scripts = [segments[i][round_][0] for i in rows]
+                force = ForceTurn(scripts, width, eos)
+                out = model.generate(input_ids=ids.to(engine.device),
+                                     attention_mask=mask.to(engine.device),
+                                     max_new_tokens=max(len(s) for s in scripts) + 1,
+                                     logits_processor=LogitsProcessorList([force]), **kwargs)
+                produced = out[:, width:].tolist()
+                assert all(p[: len(s)] == s for p, s in zip(produced, scripts, strict=True))
+                tokens += sum(len(s) for s in scripts)
+            searching = [i for i in active if segments[i][round_][1]]
+            if searching:  # one /retrieve per round, as in Search-R1's loop
+                client.retrieve([f"Name{i}" for i in searching])
+            for i in active:
+                policy, observation = segments[i][round_]
+                contexts[i] += policy + observation
+    elapsed = time.perf_counter() - start
+    client.close()
     return tokens / elapsed, tokens
 
 
@@ -165,23 +243,29 @@ def bench_multi_turn(
         groups = [PromptGroup(uid=f"m{i}", data_source="nq", prompt=t, ground_truth="", n=n)
                   for i, t in enumerate(texts)]
         scripts = multi_turn_scripts(engine.tokenizer, groups_n * n, 2)
-        run_multi(engine, url, "continuous", True, groups[:1], scripts)  # warm-up
-        best = {"continuous": 0.0, "lockstep": 0.0, "refill": 0.0}
+        _, _, warm = run_multi(engine, url, "continuous", True, groups[:1], scripts)  # warm-up
+        run_generate_multi(engine, url, warm[:2], batch)
+        best = {"continuous": 0.0, "lockstep": 0.0, "refill": 0.0, "generate": 0.0}
         for _ in range(repeats):  # interleaved, best of `repeats`: the machine is shared
-            cont, tokens = run_multi(engine, url, "continuous", True, groups, scripts)
-            lock, _ = run_multi(engine, url, "lockstep", False, groups, scripts)
-            lock_refill, _ = run_multi(engine, url, "lockstep", True, groups, scripts)
-            for key, value in (("continuous", cont), ("lockstep", lock), ("refill", lock_refill)):
+            cont, tokens, trajs = run_multi(engine, url, "continuous", True, groups, scripts)
+            lock, _, _ = run_multi(engine, url, "lockstep", False, groups, scripts)
+            lock_refill, _, _ = run_multi(engine, url, "lockstep", True, groups, scripts)
+            generate, generated = run_generate_multi(engine, url, trajs, batch)
+            assert generated == tokens, (generated, tokens)
+            for key, value in (("continuous", cont), ("lockstep", lock), ("refill", lock_refill),
+                               ("generate", generate)):
                 best[key] = max(best[key], value)
         cont, lock, lock_refill = best["continuous"], best["lockstep"], best["refill"]
+        generate = best["generate"]
     finally:
         server.terminate()
         server.wait()
     print(f"multi-turn ({groups_n * n} trajectories, 1-4 searches, batch {batch}, "
           f"{tokens} policy tokens): continuous {cont:.0f} tok/s, lockstep {lock:.0f} tok/s, "
           f"lockstep with in-turn refill {lock_refill:.0f} tok/s "
-          f"(continuous/that = {cont / lock_refill:.2f})")
-    return cont / lock
+          f"(continuous/that = {cont / lock_refill:.2f}), Search-R1's loop on model.generate "
+          f"{generate:.0f} tok/s (continuous/that = {cont / generate:.2f})")
+    return cont / lock, cont / generate
 
 
 def main() -> int:
@@ -207,9 +291,9 @@ def main() -> int:
                                                 max_batch_size=args.batch, seed=0)
     print(f"model {model_dir} on {args.device}, {args.threads} thread(s)")
     single = bench_single_turn(engine, args.batch, args.new_tokens)["ratio"]
-    multi = bench_multi_turn(engine, args.batch, args.groups, args.n, args.retrieve_ms / 1000,
-                             args.repeats)
-    print(f"ratio: {single:.2f} {multi:.2f}")
+    multi, against_generate = bench_multi_turn(engine, args.batch, args.groups, args.n,
+                                               args.retrieve_ms / 1000, args.repeats)
+    print(f"ratio: {single:.2f} {multi:.2f} {against_generate:.2f}")
     return 0
 
 

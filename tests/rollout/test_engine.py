@@ -243,3 +243,19 @@ def test_a_group_with_one_prompt_is_prefilled_once(tiny_policy_dir):
     alone = TransformersEngine.from_pretrained(str(tiny_policy_dir), max_batch_size=1).generate(
         [GenerationRequest(group, greedy)])[0]
     assert all(o.token_ids == alone.token_ids for o in copies)
+
+
+def test_row_sampler_draws_each_token_at_its_probability():
+    """The engine samples by inverting each row's CDF: frequencies follow the probabilities,
+    a token of probability 0 (cut by top-k/top-p) is never drawn, the last token can be."""
+    from services.rollout.transformers_engine import _sample_rows
+
+    probs = torch.zeros(2, 50)
+    probs[0, [0, 7, 49]] = torch.tensor([0.2, 0.5, 0.3])
+    probs[1, 49] = 1.0
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.stack([_sample_rows(probs, generator) for _ in range(4000)])
+    counts = torch.bincount(draws[:, 0], minlength=50).float() / 4000
+    assert set(draws[:, 0].unique().tolist()) == {0, 7, 49}
+    assert torch.allclose(counts[[0, 7, 49]], torch.tensor([0.2, 0.5, 0.3]), atol=0.03)
+    assert draws[:, 1].eq(49).all()
