@@ -207,12 +207,9 @@ def run_generate_multi(engine, url: str, trajs, batch: int) -> tuple[float, int]
             active = [i for i, s in enumerate(segments) if len(s) > round_]
             for first in range(0, len(active), batch):
                 rows = active[first : first + batch]
-                width = max(len(contexts[i]) for i in rows)
-                ids = torch.full((len(rows), width), pad, dtype=torch.long)
-                mask = torch.zeros((len(rows), width), dtype=torch.long)
-                for row, i in enumerate(rows):
-                    ids[row, width - len(contexts[i]):] = torch.tensor(contexts[i])
-                    mask[row, width - len(contexts[i]):] = 1
+                enc = tok.pad({"input_ids": [contexts[i] for i in rows]}, padding=True,
+                              padding_side="left", return_tensors="pt")
+                ids, mask, width = enc["input_ids"], enc["attention_mask"], enc["input_ids"].shape[1]
                 scripts = [segments[i][round_][0] for i in rows]
                 force = ForceTurn(scripts, width, eos)
                 out = model.generate(input_ids=ids.to(engine.device),
