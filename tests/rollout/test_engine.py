@@ -254,8 +254,16 @@ def test_row_sampler_draws_each_token_at_its_probability():
     probs[0, [0, 7, 49]] = torch.tensor([0.2, 0.5, 0.3])
     probs[1, 49] = 1.0
     generator = torch.Generator().manual_seed(0)
-    draws = torch.stack([_sample_rows(probs, generator) for _ in range(4000)])
+    draws = torch.stack([_sample_rows(probs, torch.rand((2, 1), generator=generator))
+                         for _ in range(4000)])
     counts = torch.bincount(draws[:, 0], minlength=50).float() / 4000
     assert set(draws[:, 0].unique().tolist()) == {0, 7, 49}
     assert torch.allclose(counts[[0, 7, 49]], torch.tensor([0.2, 0.5, 0.3]), atol=0.03)
     assert draws[:, 1].eq(49).all()
+    # A draw at the very top (1.0: a generator's bound, or a product rounded up to the total)
+    # still lands on the last token with probability, here 7 of a row whose tail was cut.
+    cut = torch.zeros(1, 50)
+    cut[0, [0, 7]] = torch.tensor([1 / 3, 2 / 3])
+    assert _sample_rows(cut, torch.ones(1, 1)).tolist() == [7]
+    assert _sample_rows(cut, torch.tensor([[1 - 2**-24]])).tolist() == [7]
+    assert _sample_rows(cut, torch.zeros(1, 1)).tolist() == [0]
