@@ -162,13 +162,12 @@ def run_multi(engine, url, scheduling: str, refill: bool, groups, scripts
 
 
 def turn_segments(traj) -> list[tuple[list[int], list[int]]]:
-    """A trajectory's response as (policy turn tokens, observation tokens after it) pairs."""
-    segments: list[tuple[list[int], list[int]]] = []
-    for token, policy in zip(traj.response_ids.tolist(), traj.loss_mask.tolist(), strict=True):
-        if policy and (not segments or segments[-1][1]):
-            segments.append(([], []))
-        segments[-1][1 if not policy else 0].append(token)
-    return segments
+    """A trajectory's response as (policy turn tokens, observation tokens after it) pairs, cut
+    at the spans its own `turns` record."""
+    response = traj.response_ids.tolist()
+    nexts = [turn.start for turn in traj.turns[1:]] + [len(response)]
+    return [(response[turn.start : turn.end], response[turn.end : following])
+            for turn, following in zip(traj.turns, nexts, strict=True)]
 
 
 class ForceTurn:
@@ -219,9 +218,10 @@ def run_generate_multi(engine, url: str, trajs, batch: int) -> tuple[float, int]
                 produced = out[:, width:].tolist()
                 assert all(p[: len(s)] == s for p, s in zip(produced, scripts, strict=True))
                 tokens += sum(len(s) for s in scripts)
-            searching = [i for i in active if segments[i][round_][1]]
-            if searching:  # one /retrieve per round, as in Search-R1's loop
-                client.retrieve([f"Name{i}" for i in searching])
+            queries = [trajs[i].turns[round_].query for i in active
+                       if trajs[i].turns[round_].action == "search"]
+            if queries:  # one /retrieve per round, as in Search-R1's loop
+                client.retrieve(queries)
             for i in active:
                 policy, observation = segments[i][round_]
                 contexts[i] += policy + observation

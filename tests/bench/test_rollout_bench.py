@@ -1,5 +1,6 @@
 """bench/rollout.py's model.generate baseline replays the engine's trajectories token for
-token: the split of a response into turns and observations must be exact."""
+token: the split of a response into turns (by the trajectory's turn spans) and observations
+must be exact."""
 
 from __future__ import annotations
 
@@ -13,17 +14,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from rollout import ForceTurn, turn_segments  # noqa: E402
 
-from services.common.trajectory import Trajectory  # noqa: E402
+from services.common.trajectory import Trajectory, Turn  # noqa: E402
 
 
-def _traj(response: list[int], mask: list[int]) -> Trajectory:
+def _traj(response: list[int], mask: list[int], turns: list[Turn]) -> Trajectory:
     return Trajectory(uid="u", sample_id="s", data_source="nq", policy_version=0,
                       prompt_ids=np.array([1, 2]), response_ids=np.array(response),
-                      loss_mask=np.array(mask), rollout_logprobs=np.zeros(len(response)))
+                      loss_mask=np.array(mask), rollout_logprobs=np.zeros(len(response)),
+                      turns=turns)
 
 
 def test_turn_segments_pair_each_turn_with_the_observation_after_it():
-    traj = _traj([5, 6, 7, 90, 91, 8, 9, 92, 10], [1, 1, 1, 0, 0, 1, 1, 0, 1])
+    turns = [Turn(0, 3, "search", "a"), Turn(5, 7, "search", "b"), Turn(8, 9, "answer")]
+    traj = _traj([5, 6, 7, 90, 91, 8, 9, 92, 10], [1, 1, 1, 0, 0, 1, 1, 0, 1], turns)
     assert turn_segments(traj) == [([5, 6, 7], [90, 91]), ([8, 9], [92]), ([10], [])]
 
 
