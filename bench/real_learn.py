@@ -20,9 +20,11 @@ the same held-out questions, before and after each phase:
 Reported per phase: wall time and throughput (SFT: tokens/s, its process start-up included; RL: the learner's trained
 tokens/s and the step time split into waiting for rollouts and training; greedy play: policy
 tokens/s). Per run: held-out EM, well-formed answer rate and searches per question at the
-zero-shot, SFT (RL start) and RL end points, the probe curve at the start and end of RL, and the
-EM gain over the zero-shot start (the goal's figure) and over the SFT start.
-The last line printed is `em_gain: <the smaller of the runs' gains, in points>`.
+zero-shot, SFT (RL start) and RL end points, split by question kind (single-hop, two-hop), the
+probe curve at the start and end of RL, and the EM gain over the zero-shot start (the goal's
+figure) and over the SFT start (RL's own part). The last two lines printed are
+`rl_gain: <the smaller of the runs' gains over the SFT start>` and
+`em_gain: <the smaller of the runs' gains over the zero-shot start, in points>`.
 
     .venv/bin/python bench/real_learn.py [--train full|lora|both] [--quick] [--out DIR]
 
@@ -95,6 +97,13 @@ SIZES: dict[str, tuple[Any, Any, Any]] = {
 # GRPO steps moved neither; so the cpu profile's short SFT teaches searching ("good" only) and
 # its RL has the answers left to improve (bench/README.md, "Does it learn?").
 SFT_MIX = {"gpu": "", "cpu": "good=1.0", "quick": ""}
+# DAPO's dynamic sampling (learner.algorithm.filter_groups: groups whose samples all scored the
+# same are dropped and the batch is topped up). After the cpu profile's SFT every single-hop
+# question is answered (its groups all score 1, no gradient) and two-hop questions are the ones
+# left to learn (~40% of sampled two-hop trajectories right); unfiltered, ~1 of a step's 4
+# groups carried a signal (bench/README.md, "Does it learn?"). On the CPU a rollout costs far
+# less than training it, so the cpu profile filters.
+FILTER_GROUPS = {"gpu": False, "cpu": True, "quick": False}
 
 
 def resolve_sizes(args: argparse.Namespace, device: str) -> None:
@@ -126,7 +135,10 @@ def run_overrides(args: argparse.Namespace, device: str) -> list[str]:
     """configs/demo.yaml's services, world and probe, sized by the flags, for SmolLM2: the
     SFT and RL settings every phase shares (the world and the SFT read them too)."""
     response = args.max_turns * (args.tokens_per_turn + 96) + args.tokens_per_turn
-    sets = [*([f"data.sft_mix={SFT_MIX[args.size]}"] if SFT_MIX[args.size] else []),
+    mix = args.sft_mix if args.sft_mix is not None else SFT_MIX[args.size]
+    filtered = args.filter_groups if args.filter_groups is not None else FILTER_GROUPS[args.size]
+    sets = [*([f"data.sft_mix={mix}"] if mix else []),
+        f"learner.algorithm.filter_groups={str(filtered).lower()}",
         f"data.seed={args.seed}",
         f"data.max_test_items={args.questions}",
         f"data.n_samples={args.samples}",
@@ -275,6 +287,15 @@ def sft_tokens(model_dir: Path, data: Path, rows: int) -> dict[str, int]:
     return {"all": total, "loss": loss}
 
 
+def eval_by_kind(row: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """An evaluation's EM and question count per question kind (the world's `data_source`:
+    synth_single, synth_multihop), from the learner's `eval/em/<kind>` and `eval/n/<kind>`."""
+    kinds = {key.removeprefix("eval/em/") for key in row
+             if key.startswith("eval/em/") and key != "eval/em/mean"}
+    return {kind: {"em": row[f"eval/em/{kind}"], "n": row.get(f"eval/n/{kind}")}
+            for kind in sorted(kinds)}
+
+
 def rl_phase(args: argparse.Namespace, mode: str, policy: Path, out: Path,
              overrides: list[str]) -> dict[str, Any]:
     from services.common.config import load_config
@@ -313,7 +334,7 @@ def rl_phase(args: argparse.Namespace, mode: str, policy: Path, out: Path,
         return {"step": row.get("step"), "em": row.get("eval/em"),
                 "format": row.get("eval/finish/answer"),
                 "searches_per_question": row.get("eval/searches/mean"),
-                "n": row.get("eval/n")}
+                "n": row.get("eval/n"), "em_by_kind": eval_by_kind(row)}
 
     return {
         "mode": mode, "wall_s": round(wall, 1), "steps": summary.get("steps"),
@@ -343,6 +364,14 @@ def make_parser() -> argparse.ArgumentParser:
         shown = ", ".join(f"{n} {v}" for n, v in zip(SIZE_NAMES, values, strict=True))
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(values[0]), default=None,
                             help=f"default by --size: {shown}")
+    parser.add_argument("--sft-mix", default=None,
+                        help="the SFT demonstrations' strategy weights, e.g. good=0.5,guess=0.5 "
+                             "(default by --size: " + ", ".join(
+                                 f"{n} {SFT_MIX[n] or 'the demo config'}" for n in SIZE_NAMES) + ")")
+    parser.add_argument("--filter-groups", action=argparse.BooleanOptionalAction, default=None,
+                        help="drop groups whose samples all scored the same (DAPO's dynamic "
+                             "sampling) and top the batch up; default by --size: " + ", ".join(
+                                 f"{n} {'on' if FILTER_GROUPS[n] else 'off'}" for n in SIZE_NAMES))
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0, help="the synthetic world's seed")
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda")
@@ -427,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
             f"forgetting {run.get('forgetting')}")
 
     gains = [r.get("em_gain_over_zero_shot") for r in runs.values()]
+    rl_gains = [r.get("em_gain_over_sft") for r in runs.values()]
     result = {
         "device": device, "sizes": {name: getattr(args, name) for name in SIZES},
         "size": args.size, "overrides": overrides, "model": str(model_dir),
@@ -435,13 +465,22 @@ def main(argv: list[str] | None = None) -> int:
         "zero_shot_examples": before["examples"], "sft": sft, "runs": runs,
         "general": general,
         "forgetting_sft": forgetting(general["imported"], general["sft"]),
-        "em_gain": min(g for g in gains if g is not None) if any(
-            g is not None for g in gains) else None,
+        "em_gain": smallest(gains),
+        "rl_gain": smallest(rl_gains),
     }
     (args.out / "real_learn.json").write_text(json.dumps(result, indent=1) + "\n")
     print_table(result)
+    # RL's own part of the gain (over the SFT start), then the gain over the zero-shot start
+    print(f"rl_gain: {'n/a' if result['rl_gain'] is None else result['rl_gain']}")
     print(f"em_gain: {'n/a' if result['em_gain'] is None else result['em_gain']}")
     return 0
+
+
+def smallest(gains: list[float | None]) -> float | None:
+    """The smaller of the runs' gains (both runs must reach a target), or None when no run
+    has one."""
+    known = [g for g in gains if g is not None]
+    return min(known) if known else None
 
 
 def fmt(value: Any) -> str:
@@ -450,13 +489,15 @@ def fmt(value: Any) -> str:
 
 def print_table(result: dict[str, Any]) -> None:
     zs = result["zero_shot"]
-    print("| point | EM | format | searches/q |\n|---|---|---|---|")
-    print(f"| zero-shot | {fmt(zs['em'])} | {fmt(zs['format'])} | "
+    print("| point | EM | EM by kind | format | searches/q |\n|---|---|---|---|---|")
+    print(f"| zero-shot | {fmt(zs['em'])} | | {fmt(zs['format'])} | "
           f"{zs['searches_per_question']:.2f} |")
     for mode, run in result["runs"].items():
         for label, p in (("SFT (RL start)", run["sft_start"]), (f"after GRPO {mode}", run["end"])):
             searches = p.get("searches_per_question")
-            print(f"| {label} | {fmt(p.get('em'))} | {fmt(p.get('format'))} | "
+            kinds = ", ".join(f"{kind.removeprefix('synth_')} {fmt(v['em'])} ({v['n']})"
+                              for kind, v in (p.get("em_by_kind") or {}).items())
+            print(f"| {label} | {fmt(p.get('em'))} | {kinds} | {fmt(p.get('format'))} | "
                   f"{'n/a' if searches is None else f'{searches:.2f}'} |")
     print(f"phases (s): {json.dumps(result['phases_s'])}")
     for mode, run in result["runs"].items():

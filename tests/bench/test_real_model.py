@@ -96,8 +96,9 @@ def _real_learn():
 
 def test_real_learn_sizes_follow_the_device_and_the_flags():
     """`--size auto` is the GPU profile on CUDA and the 60-minute CPU profile elsewhere; the
-    CPU profile's short SFT teaches searching (good demonstrations only), the others keep the
-    demo's mix; a size flag given wins over its profile."""
+    CPU profile's short SFT teaches searching (good demonstrations only) and its GRPO drops
+    constant-reward groups, the others keep the demo's mix unfiltered; a flag given wins over
+    its profile."""
     rl = _real_learn()
     cpu = rl.make_parser().parse_args([])
     rl.resolve_sizes(cpu, "cpu")
@@ -105,15 +106,33 @@ def test_real_learn_sizes_follow_the_device_and_the_flags():
     sets = rl.run_overrides(cpu, "cpu")
     assert "data.sft_mix=good=1.0" in sets and "learner.eval_every=0" in sets
     assert "learner.micro_batch_tokens=1024" in sets
+    assert "learner.algorithm.filter_groups=true" in sets   # DAPO's dynamic sampling
+    mixed = rl.make_parser().parse_args(["--sft-mix", "good=0.5,guess=0.5", "--no-filter-groups"])
+    rl.resolve_sizes(mixed, "cpu")
+    sets = rl.run_overrides(mixed, "cpu")
+    assert "data.sft_mix=good=0.5,guess=0.5" in sets
+    assert "learner.algorithm.filter_groups=false" in sets
     gpu = rl.make_parser().parse_args(["--rl-steps", "12", "--sft-lr", "3e-5"])
     rl.resolve_sizes(gpu, "cuda")
     assert gpu.size == "gpu" and gpu.rl_steps == 12 and gpu.sft_lr == 3e-5 and gpu.sft_steps == 200
     sets = rl.run_overrides(gpu, "cuda")
     assert not any(s.startswith("data.sft_mix=") for s in sets)
-    assert "learner.eval_every=6" in sets
+    assert "learner.eval_every=6" in sets and "learner.algorithm.filter_groups=false" in sets
     quick = rl.make_parser().parse_args(["--quick"])
     rl.resolve_sizes(quick, "cuda")
     assert quick.size == "quick" and quick.questions == 4
+
+
+def test_real_learn_reads_em_per_question_kind_from_an_evaluation():
+    """The report splits held-out EM by the world's question kinds (single-hop, two-hop):
+    the learner logs `eval/em/<kind>` and `eval/n/<kind>`, `eval/em/mean` is not a kind."""
+    rl = _real_learn()
+    row = {"eval/em": 0.6667, "eval/em/mean": 0.6667, "eval/em/synth_multihop": 0.0,
+           "eval/em/synth_single": 1.0, "eval/n/synth_multihop": 16, "eval/n/synth_single": 32,
+           "eval/n": 48}
+    assert rl.eval_by_kind(row) == {"synth_multihop": {"em": 0.0, "n": 16},
+                                    "synth_single": {"em": 1.0, "n": 32}}
+    assert rl.eval_by_kind({"eval/em": 0.5}) == {}
 
 
 def test_real_learn_reuses_a_world_only_when_built_from_the_same_settings(tmp_path):
