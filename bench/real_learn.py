@@ -108,7 +108,7 @@ FILTER_GROUPS = {"gpu": False, "cpu": True, "quick": False}
 
 def resolve_sizes(args: argparse.Namespace, device: str) -> None:
     """Set `args.size` (auto: gpu on CUDA, else cpu; --quick: quick) and every size flag left
-    unset to that profile's value."""
+    unset, the SFT mix and the group filter to that profile's value."""
     if args.quick:
         args.size = "quick"
     if args.size == "auto":
@@ -117,6 +117,10 @@ def resolve_sizes(args: argparse.Namespace, device: str) -> None:
     for name, values in SIZES.items():
         if getattr(args, name) is None:
             setattr(args, name, values[column])
+    if args.sft_mix is None:
+        args.sft_mix = SFT_MIX[args.size]
+    if args.filter_groups is None:
+        args.filter_groups = FILTER_GROUPS[args.size]
 
 
 def say(text: str) -> None:
@@ -135,10 +139,8 @@ def run_overrides(args: argparse.Namespace, device: str) -> list[str]:
     """configs/demo.yaml's services, world and probe, sized by the flags, for SmolLM2: the
     SFT and RL settings every phase shares (the world and the SFT read them too)."""
     response = args.max_turns * (args.tokens_per_turn + 96) + args.tokens_per_turn
-    mix = args.sft_mix if args.sft_mix is not None else SFT_MIX[args.size]
-    filtered = args.filter_groups if args.filter_groups is not None else FILTER_GROUPS[args.size]
-    sets = [*([f"data.sft_mix={mix}"] if mix else []),
-        f"learner.algorithm.filter_groups={str(filtered).lower()}",
+    sets = [*([f"data.sft_mix={args.sft_mix}"] if args.sft_mix else []),
+        f"learner.algorithm.filter_groups={str(args.filter_groups).lower()}",
         f"data.seed={args.seed}",
         f"data.max_test_items={args.questions}",
         f"data.n_samples={args.samples}",
@@ -289,11 +291,12 @@ def sft_tokens(model_dir: Path, data: Path, rows: int) -> dict[str, int]:
 
 def eval_by_kind(row: dict[str, Any]) -> dict[str, dict[str, float]]:
     """An evaluation's EM and question count per question kind (the world's `data_source`:
-    synth_single, synth_multihop), from the learner's `eval/em/<kind>` and `eval/n/<kind>`."""
-    kinds = {key.removeprefix("eval/em/") for key in row
-             if key.startswith("eval/em/") and key != "eval/em/mean"}
-    return {kind: {"em": row[f"eval/em/{kind}"], "n": row.get(f"eval/n/{kind}")}
-            for kind in sorted(kinds)}
+    synth_single, synth_multihop), read as `forage report` reads the learner's per-source
+    `eval/em/<kind>` and `eval/n/<kind>`."""
+    from services.launch.report import data_sources, eval_ci
+
+    found = {kind: eval_ci(row, kind) for kind in data_sources([], [row])}
+    return {kind: {"em": ci[0], "n": ci[3]} for kind, ci in found.items() if ci is not None}
 
 
 def rl_phase(args: argparse.Namespace, mode: str, policy: Path, out: Path,
