@@ -104,11 +104,16 @@ SFT_MIX = {"gpu": "", "cpu": "good=1.0", "quick": ""}
 # groups carried a signal (bench/README.md, "Does it learn?"). On the CPU a rollout costs far
 # less than training it, so the cpu profile filters.
 FILTER_GROUPS = {"gpu": False, "cpu": True, "quick": False}
+# Rollout replicas under `forage up`. On the 2-core CPU every service process gets one thread
+# (services/common/threads.py: cores / the processes sharing them), so one replica leaves a
+# core idle while the learner waits for rollouts, which a filtered step mostly does; two
+# replicas play on both cores (bench/README.md, "Does it learn?"). One GPU: one replica.
+ROLLOUTS = {"gpu": 1, "cpu": 2, "quick": 1}
 
 
 def resolve_sizes(args: argparse.Namespace, device: str) -> None:
     """Set `args.size` (auto: gpu on CUDA, else cpu; --quick: quick) and every size flag left
-    unset, the SFT mix and the group filter to that profile's value."""
+    unset, the SFT mix, the group filter and the rollout replicas to that profile's value."""
     if args.quick:
         args.size = "quick"
     if args.size == "auto":
@@ -121,6 +126,8 @@ def resolve_sizes(args: argparse.Namespace, device: str) -> None:
         args.sft_mix = SFT_MIX[args.size]
     if args.filter_groups is None:
         args.filter_groups = FILTER_GROUPS[args.size]
+    if args.rollouts is None:
+        args.rollouts = ROLLOUTS[args.size]
 
 
 def say(text: str) -> None:
@@ -172,6 +179,10 @@ def run_overrides(args: argparse.Namespace, device: str) -> list[str]:
         # demonstrations) once, after the last step; --quick skips them (minutes on a CPU)
         f"learner.sft_eval_every={args.sft_steps if args.size == 'gpu' else 0}",
     ]
+    if args.rollouts > 1:
+        # each replica holds its share of the groups in flight ((max_staleness 1 + 1) x
+        # groups), or the first to read takes them all and the others idle
+        sets.append(f"rollout.groups_per_batch={max(1, -(-2 * args.groups // args.rollouts))}")
     if args.size == "quick":
         sets += ["probe.num_truncations=2", "probe.mc_samples=1", "probe.fraction=1.0",
                  "learner.max_staleness=0"]
@@ -318,7 +329,7 @@ def rl_phase(args: argparse.Namespace, mode: str, policy: Path, out: Path,
         f"{cfg.learner.train_batch_size} groups x {cfg.data.n_samples} samples, lr "
         f"{cfg.learner.lr}, lora rank {cfg.learner.lora.rank}; logs in {run_dir / 'logs'}")
     started = time.monotonic()
-    code = run_up(cfg, rollouts=1)
+    code = run_up(cfg, rollouts=args.rollouts)
     wall = time.monotonic() - started
     if code != 0:
         raise RuntimeError(f"rl-{mode}: forage up stopped with learner exit {code}; logs in "
@@ -375,6 +386,9 @@ def make_parser() -> argparse.ArgumentParser:
                         help="drop groups whose samples all scored the same (DAPO's dynamic "
                              "sampling) and top the batch up; default by --size: " + ", ".join(
                                  f"{n} {'on' if FILTER_GROUPS[n] else 'off'}" for n in SIZE_NAMES))
+    parser.add_argument("--rollouts", type=int, default=None,
+                        help="rollout replicas in the RL runs; default by --size: " + ", ".join(
+                            f"{n} {ROLLOUTS[n]}" for n in SIZE_NAMES))
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0, help="the synthetic world's seed")
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda")
@@ -462,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     rl_gains = [r.get("em_gain_over_sft") for r in runs.values()]
     result = {
         "device": device, "sizes": {name: getattr(args, name) for name in SIZES},
-        "size": args.size, "overrides": overrides, "model": str(model_dir),
+        "size": args.size, "rollouts": args.rollouts, "overrides": overrides, "model": str(model_dir),
         "phases_s": phases, "wall_s": round(time.monotonic() - started, 1),
         "zero_shot": {k: v for k, v in before.items() if k != "examples"},
         "zero_shot_examples": before["examples"], "sft": sft, "runs": runs,

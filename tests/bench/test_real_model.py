@@ -96,9 +96,9 @@ def _real_learn():
 
 def test_real_learn_sizes_follow_the_device_and_the_flags():
     """`--size auto` is the GPU profile on CUDA and the 60-minute CPU profile elsewhere; the
-    CPU profile's short SFT teaches searching (good demonstrations only) and its GRPO drops
-    constant-reward groups, the others keep the demo's mix unfiltered; a flag given wins over
-    its profile."""
+    CPU profile's short SFT teaches searching (good demonstrations only), its GRPO drops
+    constant-reward groups and plays on two rollout replicas, the others keep the demo's mix
+    unfiltered on one; a flag given wins over its profile."""
     rl = _real_learn()
     cpu = rl.make_parser().parse_args([])
     rl.resolve_sizes(cpu, "cpu")
@@ -107,6 +107,11 @@ def test_real_learn_sizes_follow_the_device_and_the_flags():
     assert "data.sft_mix=good=1.0" in sets and "learner.eval_every=0" in sets
     assert "learner.micro_batch_tokens=1024" in sets
     assert "learner.algorithm.filter_groups=true" in sets   # DAPO's dynamic sampling
+    # two rollout replicas, each holding its half of the 8 groups in flight
+    assert cpu.rollouts == 2 and "rollout.groups_per_batch=4" in sets
+    from services.common.config import load_config
+
+    assert load_config(rl.BASE_CONFIG, sets).rollout.groups_per_batch == 4
     mixed = rl.make_parser().parse_args(["--sft-mix", "good=0.5,guess=0.5", "--no-filter-groups"])
     rl.resolve_sizes(mixed, "cpu")
     sets = rl.run_overrides(mixed, "cpu")
@@ -118,6 +123,7 @@ def test_real_learn_sizes_follow_the_device_and_the_flags():
     sets = rl.run_overrides(gpu, "cuda")
     assert not any(s.startswith("data.sft_mix=") for s in sets)
     assert "learner.eval_every=6" in sets and "learner.algorithm.filter_groups=false" in sets
+    assert gpu.rollouts == 1 and not any(s.startswith("rollout.groups_per_batch") for s in sets)
     quick = rl.make_parser().parse_args(["--quick"])
     rl.resolve_sizes(quick, "cuda")
     assert quick.size == "quick" and quick.questions == 4
