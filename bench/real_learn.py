@@ -128,6 +128,8 @@ def resolve_sizes(args: argparse.Namespace, device: str) -> None:
         args.filter_groups = FILTER_GROUPS[args.size]
     if args.rollouts is None:
         args.rollouts = ROLLOUTS[args.size]
+    if args.rollouts < 1:
+        raise SystemExit(f"real_learn: --rollouts must be at least 1, got {args.rollouts}")
 
 
 def say(text: str) -> None:
@@ -179,13 +181,15 @@ def run_overrides(args: argparse.Namespace, device: str) -> list[str]:
         # demonstrations) once, after the last step; --quick skips them (minutes on a CPU)
         f"learner.sft_eval_every={args.sft_steps if args.size == 'gpu' else 0}",
     ]
-    if args.rollouts > 1:
-        # each replica holds its share of the groups in flight ((max_staleness 1 + 1) x
-        # groups), or the first to read takes them all and the others idle
-        sets.append(f"rollout.groups_per_batch={max(1, -(-2 * args.groups // args.rollouts))}")
+    max_staleness = 0 if args.size == "quick" else 1     # configs/demo.yaml's 1
     if args.size == "quick":
         sets += ["probe.num_truncations=2", "probe.mc_samples=1", "probe.fraction=1.0",
-                 "learner.max_staleness=0"]
+                 f"learner.max_staleness={max_staleness}"]
+    if args.rollouts > 1:
+        # each replica holds its share of the groups in flight ((max_staleness + 1) x groups),
+        # or the first to read takes them all and the others idle
+        in_flight = (max_staleness + 1) * args.groups
+        sets.append(f"rollout.groups_per_batch={max(1, -(-in_flight // args.rollouts))}")
     return sets
 
 
@@ -476,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     rl_gains = [r.get("em_gain_over_sft") for r in runs.values()]
     result = {
         "device": device, "sizes": {name: getattr(args, name) for name in SIZES},
-        "size": args.size, "rollouts": args.rollouts, "overrides": overrides, "model": str(model_dir),
+        "size": args.size, "rollouts": args.rollouts, "overrides": overrides,
+        "model": str(model_dir),
         "phases_s": phases, "wall_s": round(time.monotonic() - started, 1),
         "zero_shot": {k: v for k, v in before.items() if k != "examples"},
         "zero_shot_examples": before["examples"], "sft": sft, "runs": runs,

@@ -124,9 +124,13 @@ def test_real_learn_sizes_follow_the_device_and_the_flags():
     assert not any(s.startswith("data.sft_mix=") for s in sets)
     assert "learner.eval_every=6" in sets and "learner.algorithm.filter_groups=false" in sets
     assert gpu.rollouts == 1 and not any(s.startswith("rollout.groups_per_batch") for s in sets)
-    quick = rl.make_parser().parse_args(["--quick"])
+    quick = rl.make_parser().parse_args(["--quick", "--rollouts", "2"])
     rl.resolve_sizes(quick, "cuda")
     assert quick.size == "quick" and quick.questions == 4
+    # synchronous (max_staleness 0): one group in flight, held by one replica at a time
+    assert "rollout.groups_per_batch=1" in rl.run_overrides(quick, "cuda")
+    with pytest.raises(SystemExit, match="--rollouts must be at least 1"):
+        rl.resolve_sizes(rl.make_parser().parse_args(["--rollouts", "0"]), "cpu")
 
 
 def test_real_learn_reads_em_per_question_kind_from_an_evaluation():
