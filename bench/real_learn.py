@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -186,10 +187,12 @@ def run_overrides(args: argparse.Namespace, device: str) -> list[str]:
         sets += ["probe.num_truncations=2", "probe.mc_samples=1", "probe.fraction=1.0",
                  f"learner.max_staleness={max_staleness}"]
     if args.rollouts > 1:
-        # each replica holds its share of the groups in flight ((max_staleness + 1) x groups),
-        # or the first to read takes them all and the others idle
-        in_flight = (max_staleness + 1) * args.groups
-        sets.append(f"rollout.groups_per_batch={max(1, -(-in_flight // args.rollouts))}")
+        from services.learner.loop_state import admission_capacity
+
+        # each replica holds its share of the groups in flight (the learner's admission
+        # capacity), or the first to read takes them all and the others idle
+        in_flight = admission_capacity(max_staleness, args.groups)
+        sets.append(f"rollout.groups_per_batch={math.ceil(in_flight / args.rollouts)}")
     return sets
 
 
