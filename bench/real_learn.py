@@ -21,8 +21,11 @@ Reported per phase: wall time and throughput (SFT: tokens/s, its process start-u
 tokens/s and the step time split into waiting for rollouts and training; greedy play: policy
 tokens/s). Per run: held-out EM, well-formed answer rate and searches per question at the
 zero-shot, SFT (RL start) and RL end points, split by question kind (single-hop, two-hop), the
-probe curve at the start and end of RL, and the EM gain over the zero-shot start (the goal's
-figure) and over the SFT start (RL's own part). The last two lines printed are
+probe curve at the start and end of RL, the sampled EM per kind over the first and last steps
+(the groups the filter dropped included), the probability of searching again right after the
+first passage at the SFT and RL end points (`hop_decisions`: the one choice greedy play makes
+on a two-hop question), and the EM gain over the zero-shot start (the goal's figure) and over
+the SFT start (RL's own part). The last two lines printed are
 `rl_gain: <the smaller of the runs' gains over the SFT start>` and
 `em_gain: <the smaller of the runs' gains over the zero-shot start, in points>`.
 
@@ -39,6 +42,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -254,6 +258,48 @@ def general_answers(model_dir: Path, count: int, device: str) -> list[dict[str, 
             for (q, accepted), r in zip(asked, replies, strict=True)]
 
 
+# The one choice greedy play makes after the first passage: the good demonstrations go on with
+# "<think> Now I need to search for <city>" on two-hop questions and "<think> The passage says"
+# otherwise, so the two texts part at one token (" Now" / " The").
+HOP_TEXTS = ("<think> Now I need to search for", "<think> The passage says")
+
+
+def hop_decisions(policy: Path, world: Path, device: str) -> dict[str, dict[str, Any]]:
+    """Per question kind, over the world's held-out good demonstrations: the policy's
+    probability of searching again (the " Now" token) right after the first passage, as the
+    agent loop renders it, and how often that token is the greedy choice.
+
+    Greedy EM on a two-hop question flips only when that probability passes every other
+    token's, so it shows how far RL moved the policy where greedy EM cannot."""
+    import pyarrow.parquet as pq
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.learner.sft import _as_python, encode_row
+
+    tok = AutoTokenizer.from_pretrained(str(policy))
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(str(policy), dtype=dtype).to(device).eval()
+    found: dict[str, list[tuple[float, bool]]] = {}
+    for row in pq.read_table(str(world / "sft_heldout.parquet")).to_pylist():
+        segments = _as_python(row["segments"])
+        if (_as_python(row["extra_info"]) or {}).get("strategy") != "good" or len(segments) < 3:
+            continue
+        prompt, head = _as_python(row["prompt"]), [segments[0], segments[1]]
+        search, answer = (encode_row(tok, prompt, [*head, {"text": t}], 4096).input_ids.tolist()
+                          for t in HOP_TEXTS)
+        at = next(i for i, (a, b) in enumerate(zip(search, answer, strict=False)) if a != b)
+        with torch.no_grad():
+            logits = model(torch.tensor([search[:at]], device=device)).logits[0, -1].float()
+        p_search = float(torch.softmax(logits, -1)[search[at]])
+        greedy = int(torch.argmax(logits)) == search[at]
+        found.setdefault(str(row["data_source"]), []).append((p_search, greedy))
+    del model
+    return {kind: {"p_search_again": round(sum(p for p, _ in v) / len(v), 3),
+                   "greedy_searches_again": round(sum(g for _, g in v) / len(v), 3),
+                   "n": len(v)} for kind, v in sorted(found.items())}
+
+
 def forgetting(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, Any]:
     known = [b["question"] for b in before if b["right"]]
     kept = [a["question"] for a in after if a["right"] and a["question"] in known]
@@ -317,6 +363,35 @@ def eval_by_kind(row: dict[str, Any]) -> dict[str, dict[str, float]]:
     return {kind: {"em": ci[0], "n": ci[3]} for kind, ci in found.items() if ci is not None}
 
 
+def sampled_em_by_kind(train: list[dict[str, Any]], window: int) -> dict[str, dict[str, Any]]:
+    """EM of the sampled trajectories per question kind over the first and the last `window`
+    training steps.
+
+    Filtered runs: the learner's `generated/em/<kind>` weighted by `generated/n/<kind>`, every
+    group played, the ones the filter dropped included (a filtered batch's own `em/<kind>` has
+    no all-right or all-wrong group, so it cannot show a kind being learnt). Unfiltered runs log
+    no `generated/*`: the batch is all that was played, and its `em/<kind>` is averaged over the
+    steps (its per-kind count is not logged, so `n` is None)."""
+    def tally(rows: list[dict[str, Any]], kind: str) -> tuple[float | None, int | None]:
+        counted = [(r[f"generated/em/{kind}"], r.get(f"generated/n/{kind}", 0)) for r in rows
+                   if f"generated/em/{kind}" in r]
+        if counted:
+            total = sum(n for _, n in counted)
+            return (round(sum(em * n for em, n in counted) / total, 3) if total else None,
+                    int(total))
+        plain = [r[f"em/{kind}"] for r in rows if f"em/{kind}" in r]
+        return (round(sum(plain) / len(plain), 3) if plain else None), None
+
+    kinds = sorted({key.split("/")[-1] for row in train for key in row
+                    if re.fullmatch(r"(generated/)?em/[^/]+", key)} - {"mean"})
+    first, last = train[:window], train[-window:]
+    out = {}
+    for kind in kinds:
+        (em_first, n_first), (em_last, n_last) = tally(first, kind), tally(last, kind)
+        out[kind] = {"first": em_first, "n_first": n_first, "last": em_last, "n_last": n_last}
+    return out
+
+
 def rl_phase(args: argparse.Namespace, mode: str, policy: Path, out: Path,
              overrides: list[str]) -> dict[str, Any]:
     from services.common.config import load_config
@@ -370,6 +445,7 @@ def rl_phase(args: argparse.Namespace, mode: str, policy: Path, out: Path,
         "trained_tokens_per_s": mean("throughput/trained_tokens_per_s", train),
         "response_tokens_per_trajectory": mean("response_length/mean", train),
         "final_policy": str(final) if final else None,
+        "sampled_em_by_kind": sampled_em_by_kind(train, max(1, len(train) // 4)),
     }
 
 
@@ -452,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     sft = sft_phase(args, model_dir, world, overrides, args.out)
     phases["sft_s"] = sft["wall_s"]
     general["sft"] = general_answers(Path(sft["policy"]), args.general_questions, device)
+    decisions = {"sft": hop_decisions(Path(sft["policy"]), world, device)}
     say(f"sft: {sft['steps']} steps in {sft['wall_s']} s, loss {sft['loss_first']} -> "
         f"{sft['loss_last']}, {sft['tokens_per_s_incl_start']} tokens/s (start-up included)")
 
@@ -473,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
             answers = general_answers(Path(run["final_policy"]), args.general_questions, device)
             general[f"rl_{mode}"] = answers
             run["forgetting"] = forgetting(general["imported"], answers)
+            decisions[f"rl_{mode}"] = hop_decisions(Path(run["final_policy"]), world, device)
         runs[mode] = run
         say(f"rl-{mode}: {run['wall_s']} s; EM {fmt(start.get('em'))} -> {fmt(end.get('em'))}, "
             f"format {fmt(start.get('format'))} -> {fmt(end.get('format'))}, searches "
@@ -490,6 +568,7 @@ def main(argv: list[str] | None = None) -> int:
         "zero_shot_examples": before["examples"], "sft": sft, "runs": runs,
         "general": general,
         "forgetting_sft": forgetting(general["imported"], general["sft"]),
+        "hop_decisions": decisions,
         "em_gain": smallest(gains),
         "rl_gain": smallest(rl_gains),
     }
@@ -512,6 +591,10 @@ def fmt(value: Any) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}"
 
 
+def counted(n: int | None) -> str:
+    return "" if n is None else f" ({n})"
+
+
 def print_table(result: dict[str, Any]) -> None:
     zs = result["zero_shot"]
     print("| point | EM | EM by kind | format | searches/q |\n|---|---|---|---|---|")
@@ -525,10 +608,21 @@ def print_table(result: dict[str, Any]) -> None:
             print(f"| {label} | {fmt(p.get('em'))} | {kinds} | {fmt(p.get('format'))} | "
                   f"{'n/a' if searches is None else f'{searches:.2f}'} |")
     print(f"phases (s): {json.dumps(result['phases_s'])}")
+    for point, kinds in result.get("hop_decisions", {}).items():
+        print(f"{point}: after the first passage, P(search again) " + ", ".join(
+            f"{kind.removeprefix('synth_')} {v['p_search_again']:.3f} (greedy "
+            f"{100 * v['greedy_searches_again']:.0f}% of {v['n']})" for kind, v in kinds.items()))
     for mode, run in result["runs"].items():
         print(f"rl-{mode}: step {run['step_s']} s (wait {run['wait_s']}, train {run['train_s']}), "
               f"trained tokens/s {run['trained_tokens_per_s']}; forgetting "
               f"{run.get('forgetting')}")
+        sampled = ", ".join(
+            f"{kind.removeprefix('synth_')} {fmt(v['first'])}{counted(v['n_first'])} -> "
+            f"{fmt(v['last'])}{counted(v['n_last'])}"
+            for kind, v in (run.get("sampled_em_by_kind") or {}).items())
+        if sampled:
+            print(f"rl-{mode} sampled EM by kind, first -> last quarter of the steps "
+                  f"(trajectories): {sampled}")
         for edge in ("probe_start", "probe_end"):
             curve = run.get(edge) or {}
             if curve.get("fractions"):

@@ -7,7 +7,7 @@ probe completions, so EM here and the probe's correct/incorrect split agree.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -63,6 +63,25 @@ def trajectory_metrics(
         staleness = [current_version - int(t.policy_version) for t in trajs]
         out[f"{prefix}staleness/mean"] = _mean(staleness)
         out[f"{prefix}staleness/max"] = float(max(staleness))
+    return out
+
+
+def generated_metrics(trained: Sequence[ScoredTrajectory],
+                      filtered: Sequence[ScoredTrajectory]) -> dict[str, float]:
+    """`generated/*`: what the policy played since the last step, the groups it trains plus
+    those the group filter dropped (all samples scored the same).
+
+    A filtered batch's own `reward/mean` is biased towards the middle (every group it keeps
+    has a spread), so it cannot show the policy improving; these can. Reward, EM and searches,
+    overall and per data source, with the group counts behind them."""
+    items = list(trained) + list(filtered)
+    found = trajectory_metrics(items, prefix="generated/")
+    keep = ("generated/reward/", "generated/em/", "generated/searches/mean")
+    out = {k: v for k, v in found.items() if k.startswith(keep)}
+    for source, count in Counter(i.trajectory.data_source for i in items).items():
+        out[f"generated/n/{source}"] = float(count)
+    out["generated/trajectories"] = float(len(items))
+    out["generated/filtered_trajectories"] = float(len(filtered))
     return out
 
 

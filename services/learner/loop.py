@@ -63,7 +63,7 @@ from services.learner import distributed as D
 from services.learner import loop_metrics as M
 from services.learner.algorithms import AlgorithmSettings
 from services.learner.algorithms.filters import filter_groups
-from services.learner.batch_stats import probe_metrics, trajectory_metrics
+from services.learner.batch_stats import generated_metrics, probe_metrics, trajectory_metrics
 from services.learner.checkpoint import (
     TrainerState,
     agreed_checkpoint,
@@ -209,6 +209,10 @@ class LearnerLoop:
         # rollout consumer group's last-delivered-id passes the id (`_mark_taken`).
         self.untaken: dict[str, str] = {}
         self.filtered_in_a_row = 0
+        # The samples of groups the filter dropped since the last step: with the filter on, a
+        # step's own metrics cover only the groups it trained (never all 0 or all 1), so the
+        # `generated/*` metrics add these back for what the policy actually played.
+        self.filtered_items: list[Any] = []
         self.last_lag_update = 0.0
         self.consumer = "learner-0"
         self.tokenizer: Any = None
@@ -557,13 +561,15 @@ class LearnerLoop:
             return
         if self.filtered_in_a_row >= self.learner.filter_max_dropped:
             return  # guard: train the next batch unfiltered rather than sample forever
-        rewards = {}
+        samples = {}
         for uid in self.ledger.ready_uids():
             record = self.ledger.groups[uid]
-            rewards[uid] = [float(record.samples[i].reward) for i in sorted(record.samples)]
+            samples[uid] = [record.samples[i] for i in sorted(record.samples)]
+        rewards = {uid: [float(s.reward) for s in group] for uid, group in samples.items()}
         kept = set(filter_groups(rewards, keep_singletons=self.options.filter_keep_singletons))
         for uid in rewards:
             if uid not in kept:
+                self.filtered_items.extend(samples[uid])
                 self.ledger.drop(uid)
                 self.filtered_in_a_row += 1
                 M.GROUPS.labels("filtered").inc()
@@ -611,6 +617,9 @@ class LearnerLoop:
                                   "policy_version": self.version, "time": time.time(),
                                   "elapsed_s": time.monotonic() - self.started}
         record.update(trajectory_metrics(items, current_version=current))
+        if self.options.filter_groups:
+            record.update(generated_metrics(items, self.filtered_items))
+            self.filtered_items = []
         record.update(probe_metrics(items))
         record.update(adv_metrics)
         own_prefix = ("critic/", "rollout_corr/")  # rollout_corr/*: from the loss in bypass mode

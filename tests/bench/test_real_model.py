@@ -145,6 +145,65 @@ def test_real_learn_reads_em_per_question_kind_from_an_evaluation():
     assert rl.eval_by_kind({"eval/em": 0.5}) == {}
 
 
+def test_real_learn_reads_sampled_em_per_kind_with_the_filtered_groups():
+    """The sampled EM per kind over the first and last steps counts the groups the filter
+    dropped (`generated/*`, weighted by their counts); a run without the filter has only the
+    batch's `em/<kind>`, averaged over the steps with no count."""
+    rl = _real_learn()
+    filtered = [
+        {"em/synth_multihop": 0.5, "generated/em/synth_multihop": 0.25,
+         "generated/n/synth_multihop": 8, "generated/em/synth_single": 1.0,
+         "generated/n/synth_single": 8, "generated/em/mean": 0.625},
+        {"em/synth_multihop": 0.5, "generated/em/synth_multihop": 0.0,
+         "generated/n/synth_multihop": 4},
+        {"em/synth_multihop": 0.5, "generated/em/synth_multihop": 0.75,
+         "generated/n/synth_multihop": 4},
+    ]
+    assert rl.sampled_em_by_kind(filtered, 2) == {
+        "synth_multihop": {"first": round(2 / 12, 3), "n_first": 12, "last": 0.375,
+                           "n_last": 8},
+        "synth_single": {"first": 1.0, "n_first": 8, "last": None, "n_last": None}}
+    plain = [{"em/synth_single": 1.0, "em/mean": 0.8}, {"em/synth_single": 0.5}]
+    assert rl.sampled_em_by_kind(plain, 1) == {
+        "synth_single": {"first": 1.0, "n_first": None, "last": 0.5, "n_last": None}}
+
+
+@pytest.mark.slow
+def test_real_learn_reads_the_search_again_decision_of_a_real_model(smollm2_dir, tmp_path):
+    """hop_decisions: after the first passage of each held-out good demonstration, the two
+    texts part at one token; its probability under SmolLM2 is a probability, the greedy flag
+    agrees with it, and rows that are not good two-turn demonstrations are left out."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rl = _real_learn()
+    first = {"text": "<think> I need to find Ronam Tokim. </think>\n<search> Ronam Tokim </search>",
+             "trainable": True}
+    passage = {"text": "\n\n<information>Doc 1(Title: \"Ronam Tokim\") Born in Bemi, Ronam Tokim "
+                       "is a pilot.</information>\n\n", "trainable": False}
+    last = {"text": "<think> The passage says Bemi. </think>\n<answer> Bemi </answer>",
+            "trainable": True}
+
+    def row(source: str, strategy: str, segments: list[dict]) -> dict:
+        question = "In which country was Ronam Tokim born?" if "multi" in source else \
+            "In which city was Ronam Tokim born?"
+        return {"data_source": source, "prompt": [{"role": "user", "content": question}],
+                "segments": segments, "extra_info": {"strategy": strategy}}
+
+    rows = [row("synth_single", "good", [first, passage, last]),
+            row("synth_multihop", "good", [first, passage, last]),
+            row("synth_multihop", "guess", [first, passage, last]),
+            row("synth_single", "good", [last])]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "sft_heldout.parquet")
+    found = rl.hop_decisions(smollm2_dir, tmp_path, "cpu")
+    assert set(found) == {"synth_single", "synth_multihop"}
+    for kind in found.values():
+        assert kind["n"] == 1 and 0.0 <= kind["p_search_again"] <= 1.0
+        assert kind["greedy_searches_again"] in (0.0, 1.0)
+        if kind["p_search_again"] > 0.5:
+            assert kind["greedy_searches_again"] == 1.0
+
+
 def test_real_learn_reuses_a_world_only_when_built_from_the_same_settings(tmp_path):
     rl = _real_learn()
     args = rl.make_parser().parse_args(["--quick"])

@@ -46,11 +46,12 @@ def make_loop(tmp_path, redis_url, namespace, tiny_policy):
     """make(test_rows, **learner) -> a LearnerLoop whose driver side is running."""
     loops: list[LearnerLoop] = []
 
-    def make(test_rows: list[dict] | None = None, **learner) -> LearnerLoop:
+    def make(test_rows: list[dict] | None = None, train_rows: list[dict] | None = None,
+             **learner) -> LearnerLoop:
         overrides = [
             f"run_dir={tmp_path / 'run'}", f"redis.url={redis_url}",
             f"redis.namespace={namespace}", f"model.path={tiny_policy}",
-            f"data.train_files=[{_write(tmp_path / 'train.parquet', _rows(6))}]",
+            f"data.train_files=[{_write(tmp_path / 'train.parquet', train_rows or _rows(6))}]",
             "data.n_samples=2", "learner.weight_sync_port=0", "learner.poll_ms=50",
             "learner.logger=[jsonl]", "learner.log_samples_n=0", "learner.max_staleness=0",
             "learner.train_batch_size=2",
@@ -88,13 +89,15 @@ class Replica(threading.Thread):
     def __init__(self, redis_url: str, namespace: str,
                  answer: Callable[[PromptGroup], list[tuple[int, bool]]] | None = None,
                  delay_s: float = 0.0,
-                 on_take: Callable[[RedisStreams, PromptGroup], None] | None = None) -> None:
+                 on_take: Callable[[RedisStreams, PromptGroup], None] | None = None,
+                 reward: Callable[[PromptGroup, int], float] | None = None) -> None:
         super().__init__(daemon=True)
         self.streams = RedisStreams.from_config(RedisSection(url=redis_url, namespace=namespace))
         self.streams.ensure_group("prompts")
         self.answer = answer or (lambda group: [(i, False) for i in range(group.n)])
         self.delay_s = delay_s
         self.on_take = on_take
+        self.reward = reward or (lambda group, index: 1.0)
         self.taken: list[PromptGroup] = []
         self.stop = threading.Event()
         self.problems: list[BaseException] = []
@@ -109,7 +112,8 @@ class Replica(threading.Thread):
                     self.taken.append(group)
                     if self.on_take is not None:
                         self.on_take(self.streams, group)
-                    scored = [ScoredTrajectory(_trajectory(group, i, error=failed), reward=1.0)
+                    scored = [ScoredTrajectory(_trajectory(group, i, error=failed),
+                                               reward=self.reward(group, i))
                               for i, failed in self.answer(group)]
                     self.streams.publish_many("scored", [encode(s) for s in scored])
                     self.streams.ack("prompts", [message.id])
@@ -248,3 +252,39 @@ def test_a_repeated_failure_of_an_old_issue_does_not_spend_attempts(
         record = loop._evaluate()
     assert record["eval/n"] == 1 and record["eval/failed"] == 0
     assert [g.attempt for g in replica.taken if g.kind == "eval"] == [0, 1]
+
+
+def test_the_group_filter_keeps_what_it_dropped_for_the_generated_metrics(
+        make_loop, redis_url, namespace):
+    """With algorithm.filter_groups a batch holds only groups with a spread, so its own
+    reward/mean cannot show a policy getting better; the dropped groups' samples are kept until
+    the step and `generated/*` counts everything played. Here synth_single groups all score 1
+    (dropped) and synth_multihop groups score 1 and 0 (kept)."""
+    from services.learner.batch_stats import generated_metrics
+
+    rows = _rows(4) + _rows(4, "synth_multihop", start=4)
+    loop = make_loop(train_rows=rows, **{"algorithm.filter_groups": "true", "max_staleness": 2})
+
+    def multihop(group: PromptGroup, index: int) -> float:
+        return float(index == 0) if "multihop" in group.data_source else 1.0
+
+    with Replica(redis_url, namespace, reward=multihop):
+        deadline = time.monotonic() + 20
+        batch = None
+        while batch is None and time.monotonic() < deadline:
+            batch = loop._wait_for_batch()
+    assert batch is not None
+    assert {g.samples[0].trajectory.data_source for g in batch} == {"synth_multihop"}
+    dropped = loop.filtered_items
+    assert dropped and {i.trajectory.data_source for i in dropped} == {"synth_single"}
+    assert all(i.reward == 1.0 for i in dropped)
+    assert loop.ledger.accounting()["dropped_groups"] == len(dropped) // 2
+    kept = [s for group in batch for s in group.samples]
+    metrics = generated_metrics(kept, dropped)
+    assert metrics["generated/trajectories"] == len(kept) + len(dropped)
+    assert metrics["generated/filtered_trajectories"] == len(dropped)
+    assert metrics["generated/em/synth_single"] == 1.0
+    assert metrics["generated/n/synth_single"] == len(dropped)
+    assert metrics["generated/em/synth_multihop"] == 0.5
+    assert metrics["generated/reward/mean"] == pytest.approx(
+        (len(dropped) + len(kept) / 2) / (len(kept) + len(dropped)))
