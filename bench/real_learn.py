@@ -265,12 +265,14 @@ HOP_TEXTS = ("<think> Now I need to search for", "<think> The passage says")
 
 
 def hop_decisions(policy: Path, world: Path, device: str) -> dict[str, dict[str, Any]]:
-    """Per question kind, over the world's held-out good demonstrations: the policy's
-    probability of searching again (the " Now" token) right after the first passage, as the
-    agent loop renders it, and how often that token is the greedy choice.
+    """Per question kind, over the world's held-out good demonstrations, right after the first
+    passage as the agent loop renders it: the policy's probability of searching again (the
+    " Now" token), how often that token is the greedy choice, and the probability of the whole
+    demonstrated next turn (two-hop: the search for the right city; single-hop: the answer).
 
-    Greedy EM on a two-hop question flips only when that probability passes every other
-    token's, so it shows how far RL moved the policy where greedy EM cannot."""
+    Greedy EM on a two-hop question flips only when the first passes every other token's, so
+    these show how far RL moved the policy where greedy EM cannot; the last tells a second
+    search for the right entity from a redundant one."""
     import pyarrow.parquet as pq
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -280,7 +282,7 @@ def hop_decisions(policy: Path, world: Path, device: str) -> dict[str, dict[str,
     tok = AutoTokenizer.from_pretrained(str(policy))
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(str(policy), dtype=dtype).to(device).eval()
-    found: dict[str, list[tuple[float, bool]]] = {}
+    found: dict[str, list[tuple[float, bool, float]]] = {}
     for row in pq.read_table(str(world / "sft_heldout.parquet")).to_pylist():
         segments = _as_python(row["segments"])
         if (_as_python(row["extra_info"]) or {}).get("strategy") != "good" or len(segments) < 3:
@@ -289,15 +291,22 @@ def hop_decisions(policy: Path, world: Path, device: str) -> dict[str, dict[str,
         search, answer = (encode_row(tok, prompt, [*head, {"text": t}], 4096).input_ids.tolist()
                           for t in HOP_TEXTS)
         at = next(i for i, (a, b) in enumerate(zip(search, answer, strict=False)) if a != b)
+        context = len(encode_row(tok, prompt, head, 4096).input_ids)
+        full = encode_row(tok, prompt, [*head, segments[2]], 4096).input_ids.tolist()
         with torch.no_grad():
-            logits = model(torch.tensor([search[:at]], device=device)).logits[0, -1].float()
-        p_search = float(torch.softmax(logits, -1)[search[at]])
-        greedy = int(torch.argmax(logits)) == search[at]
-        found.setdefault(str(row["data_source"]), []).append((p_search, greedy))
+            logits = model(torch.tensor([full], device=device)).logits[0].float()
+        logp = torch.log_softmax(logits[:-1], -1)
+        targets = torch.tensor(full[1:], device=device)
+        taken = logp.gather(-1, targets[:, None])[:, 0]
+        p_turn = float(torch.exp(taken[context - 1:].sum()))
+        p_search = float(torch.exp(logp[at - 1, search[at]]))
+        greedy = int(torch.argmax(logits[at - 1])) == search[at]
+        found.setdefault(str(row["data_source"]), []).append((p_search, greedy, p_turn))
     del model
-    return {kind: {"p_search_again": round(sum(p for p, _ in v) / len(v), 3),
-                   "greedy_searches_again": round(sum(g for _, g in v) / len(v), 3),
-                   "n": len(v)} for kind, v in sorted(found.items())}
+    return {kind: {"p_search_again": round(sum(v[0] for v in rows) / len(rows), 3),
+                   "greedy_searches_again": round(sum(v[1] for v in rows) / len(rows), 3),
+                   "p_demonstrated_turn": round(sum(v[2] for v in rows) / len(rows), 3),
+                   "n": len(rows)} for kind, rows in sorted(found.items())}
 
 
 def forgetting(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict[str, Any]:
@@ -611,7 +620,8 @@ def print_table(result: dict[str, Any]) -> None:
     for point, kinds in result.get("hop_decisions", {}).items():
         print(f"{point}: after the first passage, P(search again) " + ", ".join(
             f"{kind.removeprefix('synth_')} {v['p_search_again']:.3f} (greedy "
-            f"{100 * v['greedy_searches_again']:.0f}% of {v['n']})" for kind, v in kinds.items()))
+            f"{100 * v['greedy_searches_again']:.0f}% of {v['n']}; the demonstrated turn "
+            f"{v['p_demonstrated_turn']:.3f})" for kind, v in kinds.items()))
     for mode, run in result["runs"].items():
         print(f"rl-{mode}: step {run['step_s']} s (wait {run['wait_s']}, train {run['train_s']}), "
               f"trained tokens/s {run['trained_tokens_per_s']}; forgetting "

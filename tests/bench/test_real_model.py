@@ -172,7 +172,8 @@ def test_real_learn_reads_sampled_em_per_kind_with_the_filtered_groups():
 def test_real_learn_reads_the_search_again_decision_of_a_real_model(smollm2_dir, tmp_path):
     """hop_decisions: after the first passage of each held-out good demonstration, the two
     texts part at one token; its probability under SmolLM2 is a probability, the greedy flag
-    agrees with it, and rows that are not good two-turn demonstrations are left out."""
+    agrees with it, the demonstrated next turn (many tokens) is no likelier than its first
+    token, and rows that are not good two-turn demonstrations are left out."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -199,7 +200,12 @@ def test_real_learn_reads_the_search_again_decision_of_a_real_model(smollm2_dir,
     assert set(found) == {"synth_single", "synth_multihop"}
     for kind in found.values():
         assert kind["n"] == 1 and 0.0 <= kind["p_search_again"] <= 1.0
+        assert 0.0 <= kind["p_demonstrated_turn"] <= 1.0
         assert kind["greedy_searches_again"] in (0.0, 1.0)
+    # the single-hop row's next turn starts with " The", the search-again token's rival
+    single = found["synth_single"]
+    assert single["p_demonstrated_turn"] <= 1.0 - single["p_search_again"] + 1e-6
+    for kind in found.values():
         if kind["p_search_again"] > 0.5:
             assert kind["greedy_searches_again"] == 1.0
 
