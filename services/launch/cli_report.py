@@ -65,6 +65,10 @@ def format_table(summary: dict[str, Any]) -> str:
         ("reward (train)", f"{_fmt(summary['reward_first'])} -> {_fmt(summary['reward_last'])}"
                            f"  (first/last up to 5 steps)"),
     ]
+    if "played_reward_first" in summary:  # the group filter ran: its batches hide the rest
+        rows.append(("reward (played)", f"{_fmt(summary['played_reward_first'])} -> "
+                                        f"{_fmt(summary['played_reward_last'])}  (dropped "
+                                        f"groups included)"))
     if summary.get("probe_overconf_start") is not None:
         rows.append(("probe overconf", f"{_fmt(summary['probe_overconf_start'])} -> "
                                        f"{_fmt(summary['probe_overconf_end'])}"))

@@ -260,9 +260,22 @@ def summarize(train_rows: list[Row], eval_rows: list[Row],
         "probe_overconf_end": mean_of(probe_rows[-EDGE_ROWS:], "probe_all/overconf"),
         # only when probe.evidence ran: a run without it keeps its summary as it was
         **(evidence_summary(evidence_rows) if evidence_rows else {}),
+        # only with the group filter: a filtered batch's reward/mean leaves out the groups that
+        # all scored the same, so what the policy played is read from generated/*
+        **(played_summary(first_train, last_train)
+           if any("generated/reward/mean" in row for row in train_rows) else {}),
         "train_lines": len(train_rows),
         "eval_lines": len(eval_rows),
     }
+
+
+def played_summary(first: list[Row], last: list[Row]) -> dict[str, float | None]:
+    """Reward and EM over every group played, the ones the group filter dropped included
+    (`generated/*`), over the first and last train rows."""
+    return {"played_reward_first": mean_of(first, "generated/reward/mean"),
+            "played_reward_last": mean_of(last, "generated/reward/mean"),
+            "played_em_first": mean_of(first, "generated/em/mean"),
+            "played_em_last": mean_of(last, "generated/em/mean")}
 
 
 def evidence_summary(rows: list[Row]) -> dict[str, float | None]:

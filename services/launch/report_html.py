@@ -113,6 +113,12 @@ def summary_table(summary: dict[str, Any], evals: list[Row]) -> str:
                                           f"{summary.get('policy_version')}"),
         ("wall time", "", _wall(summary.get("wall_seconds"))),
     ]
+    if "played_reward_first" in summary:  # the group filter ran: its batches hide the rest
+        rows.insert(5, ("played reward / EM, dropped groups included (first / last 5 steps)",
+                        f"{_num(summary.get('played_reward_first'))} / "
+                        f"{_num(summary.get('played_em_first'))}",
+                        f"{_num(summary.get('played_reward_last'))} / "
+                        f"{_num(summary.get('played_em_last'))}"))
     if "evidence_real_em_end" in summary:  # probe.evidence ran (docs/probe.md)
         rows.insert(-2, ("evidence probe EM real / none / swapped",
                          _evidence_ems(summary, "start"), _evidence_ems(summary, "end")))

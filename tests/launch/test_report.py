@@ -229,3 +229,24 @@ def test_evidence_probe_in_the_summary_only_when_it_ran(tmp_path: Path) -> None:
     assert summary["evidence_gap_end"] == pytest.approx(0.1)  # steps 3..7
     assert "evidence gap (real - swapped EM)" in summary_table(summary, [])
     assert re.search(r"evidence gap\s+0\.200 -> 0\.100", format_table(summary))
+
+
+def test_played_reward_in_the_summary_only_with_the_group_filter() -> None:
+    """With algorithm.filter_groups the train lines carry generated/* (every group played);
+    the report shows that reward beside the kept batch's, and only then."""
+    from services.launch.cli_report import format_table
+    from services.launch.report_html import summary_table
+
+    rows = [_train(step, 0.5, probe=False) for step in range(1, 8)]
+    plain = summarize(rows, [], None)
+    assert not any(key.startswith("played_") for key in plain)
+    assert "played" not in format_table(plain) and "played" not in summary_table(plain, [])
+    for step, row in enumerate(rows, start=1):
+        row.update({"generated/reward/mean": 0.1 * step, "generated/em/mean": 0.05 * step})
+    summary = summarize(rows, [], None)
+    assert summary["reward_first"] == summary["reward_last"] == 0.5  # the kept batches'
+    assert summary["played_reward_first"] == pytest.approx(0.3)  # steps 1..5
+    assert summary["played_reward_last"] == pytest.approx(0.5)  # steps 3..7
+    assert summary["played_em_last"] == pytest.approx(0.25)
+    assert re.search(r"reward \(played\)\s+0\.300 -> 0\.500", format_table(summary))
+    assert "played reward / EM" in summary_table(summary, [])
