@@ -23,8 +23,8 @@ tokens/s). Per run: held-out EM, well-formed answer rate and searches per questi
 zero-shot, SFT (RL start) and RL end points, split by question kind (single-hop, two-hop), the
 probe curve at the start and end of RL, the sampled EM per kind over the first and last steps
 (the groups the filter dropped included), the probability of searching again right after the
-first passage at the SFT and RL end points (`hop_decisions`: the one choice greedy play makes
-on a two-hop question), and the EM gain over the zero-shot start (the goal's figure) and over
+first passage and of the demonstrated next turn at the SFT and RL end points (`hop_decisions`:
+the one choice greedy play makes on a two-hop question, and the query it then writes), and the EM gain over the zero-shot start (the goal's figure) and over
 the SFT start (RL's own part). The last two lines printed are
 `rl_gain: <the smaller of the runs' gains over the SFT start>` and
 `em_gain: <the smaller of the runs' gains over the zero-shot start, in points>`.
