@@ -282,25 +282,27 @@ def hop_decisions(policy: Path, world: Path, device: str) -> dict[str, dict[str,
     tok = AutoTokenizer.from_pretrained(str(policy))
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(str(policy), dtype=dtype).to(device).eval()
+    # encode_row tokenizes each segment on its own, so the texts part at the same offset
+    # after every context, with the same " Now" token
+    search, answer = (tok(t, add_special_tokens=False)["input_ids"] for t in HOP_TEXTS)
+    split = next(i for i, (a, b) in enumerate(zip(search, answer, strict=False)) if a != b)
     found: dict[str, list[tuple[float, bool, float]]] = {}
     for row in pq.read_table(str(world / "sft_heldout.parquet")).to_pylist():
         segments = _as_python(row["segments"])
         if (_as_python(row["extra_info"]) or {}).get("strategy") != "good" or len(segments) < 3:
             continue
         prompt, head = _as_python(row["prompt"]), [segments[0], segments[1]]
-        search, answer = (encode_row(tok, prompt, [*head, {"text": t}], 4096).input_ids.tolist()
-                          for t in HOP_TEXTS)
-        at = next(i for i, (a, b) in enumerate(zip(search, answer, strict=False)) if a != b)
-        context = len(encode_row(tok, prompt, head, 4096).input_ids)
         full = encode_row(tok, prompt, [*head, segments[2]], 4096).input_ids.tolist()
+        context = len(full) - len(tok(segments[2]["text"], add_special_tokens=False)["input_ids"])
         with torch.no_grad():
             logits = model(torch.tensor([full], device=device)).logits[0].float()
         logp = torch.log_softmax(logits[:-1], -1)
         targets = torch.tensor(full[1:], device=device)
         taken = logp.gather(-1, targets[:, None])[:, 0]
         p_turn = float(torch.exp(taken[context - 1:].sum()))
-        p_search = float(torch.exp(logp[at - 1, search[at]]))
-        greedy = int(torch.argmax(logits[at - 1])) == search[at]
+        at = context + split - 1  # the position whose logits choose the parting token
+        p_search = float(torch.exp(logp[at, search[split]]))
+        greedy = int(torch.argmax(logits[at])) == search[split]
         found.setdefault(str(row["data_source"]), []).append((p_search, greedy, p_turn))
     del model
     return {kind: {"p_search_again": round(sum(v[0] for v in rows) / len(rows), 3),
