@@ -368,10 +368,26 @@ class WeightSyncClient:
                     break
                 held.feed(chunk, verify)
             held.finish(final)
+            _read_to_end(stream)
         except grpc.RpcError as exc:
             raise _rpc_error(exc) from None
         finally:
             stream.cancel()
+
+
+def _read_to_end(stream) -> None:
+    """Wait for the server to end a verified stream instead of cancelling it at the last chunk.
+
+    The server counts a message as sent (bytes_sent, forage_weight_sync_bytes_sent_total) and
+    the fetch as served (forage_weight_sync_fetches_total{result="ok"}) when gRPC asks it for the
+    next one; a cancel that arrives first would drop both counts. The transfer is already
+    verified, so an error at the call's end changes nothing here."""
+    try:
+        for _ in stream:
+            log.warning("weight sync: the server sent data after the last chunk; ignored")
+            return
+    except grpc.RpcError as exc:
+        log.debug("the verified stream ended with %s", exc.code())
 
 
 LEARNER = ""  # a plan's source "": the server this client was made for
