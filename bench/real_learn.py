@@ -135,6 +135,8 @@ def resolve_sizes(args: argparse.Namespace, device: str) -> None:
         args.rollouts = ROLLOUTS[args.size]
     if args.rollouts < 1:
         raise SystemExit(f"real_learn: --rollouts must be at least 1, got {args.rollouts}")
+    if args.eval_samples < 1:
+        raise SystemExit(f"real_learn: --eval-samples must be at least 1, got {args.eval_samples}")
 
 
 def say(text: str) -> None:
@@ -167,8 +169,11 @@ def run_overrides(args: argparse.Namespace, device: str) -> list[str]:
         f"learner.total_steps={args.rl_steps}",
         f"learner.train_batch_size={args.groups}",
         f"learner.save_every={args.rl_steps}",
-        # the learner's greedy evaluations: before RL, halfway and at the end
+        # the learner's evaluations (greedy, or --eval-samples answers a question): before
+        # RL, halfway and at the end
         f"learner.eval_every={args.rl_steps // 2 if args.rl_steps >= 4 and args.size == 'gpu' else 0}",
+        f"learner.eval_samples={args.eval_samples}",
+        f"learner.eval_temperature={1.0 if args.eval_samples > 1 else 0.0}",
         "learner.warmup_steps=0",
         f"learner.group_timeout_s={600 if device == 'cpu' else 300}",
         # CPU: SDPA's dense mask makes a packed row's attention quadratic in its length
@@ -441,7 +446,8 @@ def rl_phase(args: argparse.Namespace, mode: str, policy: Path, out: Path,
         return {"step": row.get("step"), "em": row.get("eval/em"),
                 "format": row.get("eval/finish/answer"),
                 "searches_per_question": row.get("eval/searches/mean"),
-                "n": row.get("eval/n"), "em_by_kind": eval_by_kind(row)}
+                "n": row.get("eval/n"), "em_by_kind": eval_by_kind(row),
+                "pass": row.get(f"eval/pass@{args.eval_samples}")}
 
     return {
         "mode": mode, "wall_s": round(wall, 1), "steps": summary.get("steps"),
@@ -483,6 +489,10 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rollouts", type=int, default=None,
                         help="rollout replicas in the RL runs; default by --size: " + ", ".join(
                             f"{n} {ROLLOUTS[n]}" for n in SIZE_NAMES))
+    parser.add_argument("--eval-samples", type=int, default=1,
+                        help="answers sampled per held-out question at temperature 1 in the "
+                             "learner's evaluations: EM is then their mean (mean@k) and pass@k "
+                             "is reported; 1 (default): greedy, as Search-R1 evaluates")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0, help="the synthetic world's seed")
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda")
@@ -573,6 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "device": device, "sizes": {name: getattr(args, name) for name in SIZES},
         "size": args.size, "rollouts": args.rollouts, "overrides": overrides,
+        "eval_samples": args.eval_samples,
         "model": str(model_dir),
         "phases_s": phases, "wall_s": round(time.monotonic() - started, 1),
         "zero_shot": {k: v for k, v in before.items() if k != "examples"},
@@ -608,7 +619,12 @@ def counted(n: int | None) -> str:
 
 def print_table(result: dict[str, Any]) -> None:
     zs = result["zero_shot"]
-    print("| point | EM | EM by kind | format | searches/q |\n|---|---|---|---|---|")
+    k = result.get("eval_samples", 1)
+    if k > 1:  # the learner's points are mean@k at temperature 1; zero-shot stays greedy
+        print(f"EM after the zero-shot row: the mean of {k} sampled answers a question "
+              f"(temperature 1); pass@{k} in its own column")
+    print(f"| point | EM | EM by kind | format | searches/q |{f' pass@{k} |' if k > 1 else ''}"
+          f"\n|---|---|---|---|---|{'---|' if k > 1 else ''}")
     print(f"| zero-shot | {fmt(zs['em'])} | | {fmt(zs['format'])} | "
           f"{zs['searches_per_question']:.2f} |")
     for mode, run in result["runs"].items():
@@ -616,8 +632,9 @@ def print_table(result: dict[str, Any]) -> None:
             searches = p.get("searches_per_question")
             kinds = ", ".join(f"{kind.removeprefix('synth_')} {fmt(v['em'])} ({v['n']})"
                               for kind, v in (p.get("em_by_kind") or {}).items())
+            passed = f" {fmt(p.get('pass'))} |" if k > 1 else ""
             print(f"| {label} | {fmt(p.get('em'))} | {kinds} | {fmt(p.get('format'))} | "
-                  f"{'n/a' if searches is None else f'{searches:.2f}'} |")
+                  f"{'n/a' if searches is None else f'{searches:.2f}'} |{passed}")
     print(f"phases (s): {json.dumps(result['phases_s'])}")
     for point, kinds in result.get("hop_decisions", {}).items():
         print(f"{point}: after the first passage, P(search again) " + ", ".join(

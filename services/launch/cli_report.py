@@ -65,6 +65,11 @@ def format_table(summary: dict[str, Any]) -> str:
         ("reward (train)", f"{_fmt(summary['reward_first'])} -> {_fmt(summary['reward_last'])}"
                            f"  (first/last up to 5 steps)"),
     ]
+    if summary.get("eval_samples", 1) > 1:  # learner.eval_samples: EM is mean@k
+        k = summary["eval_samples"]
+        rows.insert(1, ("EM sampling", f"{summary['eval_mode']} (Wilson n counts questions)"))
+        rows.insert(2, (f"pass@{k} (eval)", f"{_fmt(summary.get('pass_before'))} -> "
+                                            f"{_fmt(summary.get('pass_after'))}"))
     if "played_reward_first" in summary:  # the group filter ran: its batches hide the rest
         rows.append(("reward (played)", f"{_fmt(summary['played_reward_first'])} -> "
                                         f"{_fmt(summary['played_reward_last'])}  (dropped "

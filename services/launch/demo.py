@@ -315,7 +315,8 @@ def print_summary(summary: dict[str, Any], out: Path, quick: bool = False) -> No
         return "n/a" if value is None else f"{value:.2f}"
 
     rows = [
-        ("held-out EM (greedy)", pct(summary.get("em_before")), pct(summary.get("em_after"))),
+        (f"held-out EM ({summary.get('eval_mode') or 'greedy'})", pct(summary.get("em_before")),
+         pct(summary.get("em_after"))),
         ("searches per question", num(summary.get("searches_before")),
          num(summary.get("searches_after"))),
         ("train reward", num(summary.get("reward_first")), num(summary.get("reward_last"))),

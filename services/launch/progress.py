@@ -14,8 +14,11 @@ from typing import Any
 
 def format_line(record: dict[str, Any], total_steps: int | None = None) -> str:
     if record.get("kind") == "eval":
-        return (f"eval  @ step {record.get('step', 0):>3}: EM {record.get('eval/em') or 0:.3f} "
-                f"over {record.get('eval/n', 0)} questions, searches "
+        k = record.get("eval/samples_per_question")
+        sampled = (f" (mean@{k}, pass@{k} {record.get(f'eval/pass@{k}') or 0:.3f})"
+                   if k and k > 1 else "")
+        return (f"eval  @ step {record.get('step', 0):>3}: EM {record.get('eval/em') or 0:.3f}"
+                f"{sampled} over {record.get('eval/n', 0)} questions, searches "
                 f"{record.get('eval/searches/mean', 0):.2f}  ({record.get('eval/seconds', 0):.0f}s)")
     total = f"/{total_steps}" if total_steps else ""
     return (f"step {record.get('step', 0):>3}{total}  reward {record.get('reward/mean', 0):.3f}  "

@@ -190,6 +190,26 @@ def _eval_value(rows: list[Row], index: int, key: str) -> float | None:
     return _number(rows[index].get(key)) if rows else None
 
 
+def eval_mode(row: Row | None) -> str:
+    """How an eval line's EM was measured: `greedy`, or `mean@k, temperature t` when the
+    learner sampled k answers a question (learner.eval_samples)."""
+    k = eval_samples(row)
+    if k == 1 or row is None:
+        return "greedy"
+    return f"mean@{k}, temperature {_number(row.get('eval/temperature')) or 0:g}"
+
+
+def eval_samples(row: Row | None) -> int:
+    """Answers sampled per question in one eval line (1: greedy, or lines without the key)."""
+    k = _number(row.get("eval/samples_per_question")) if row else None
+    return int(k) if k and k > 1 else 1
+
+
+def _pass_at(row: Row | None) -> float | None:
+    k = eval_samples(row)
+    return _number(row.get(f"eval/pass@{k}")) if row and k > 1 else None
+
+
 def _per_source(row: Row | None, prefix: str) -> dict[str, float]:
     """``{data_source: value}`` from keys ``<prefix><data_source>`` of one row.
 
@@ -245,6 +265,10 @@ def summarize(train_rows: list[Row], eval_rows: list[Row],
         "em_before_by_source": _per_source(eval_rows[0] if eval_rows else None, "eval/em/"),
         "em_after_by_source": _per_source(eval_rows[-1] if eval_rows else None, "eval/em/"),
         "eval_n": _eval_value(eval_rows, -1, "eval/n"),
+        "eval_mode": eval_mode(eval_rows[-1] if eval_rows else None),
+        "eval_samples": eval_samples(eval_rows[-1] if eval_rows else None),
+        "pass_before": _pass_at(eval_rows[0] if eval_rows else None),
+        "pass_after": _pass_at(eval_rows[-1] if eval_rows else None),
         "searches_before": _eval_value(eval_rows, 0, "eval/searches/mean"),
         "searches_after": _eval_value(eval_rows, -1, "eval/searches/mean"),
         "steps": int(train_rows[-1]["step"]) if train_rows else 0,

@@ -99,7 +99,8 @@ def summary_table(summary: dict[str, Any], evals: list[Row]) -> str:
     last = evals[-1] if evals else None
     delta = summary.get("em_delta")
     rows = [
-        ("held-out EM (greedy), 95% CI", _em_cell(first), _em_cell(last)),
+        (f"held-out EM ({_e(summary.get('eval_mode') or 'greedy')}), 95% CI",
+         _em_cell(first), _em_cell(last)),
         ("EM change", "", "n/a" if delta is None else f"{100 * delta:+.1f} points"),
         ("searches per question (held-out)", _num(summary.get("searches_before"), 2),
          _num(summary.get("searches_after"), 2)),
@@ -125,6 +126,10 @@ def summary_table(summary: dict[str, Any], evals: list[Row]) -> str:
         rows.insert(-2, ("evidence gap (real - swapped EM)",
                          _num(summary.get("evidence_gap_start")),
                          _num(summary.get("evidence_gap_end"))))
+    if summary.get("pass_after") is not None:  # sampled evaluation: some sample right
+        rows.insert(1, (f"held-out pass@{_e(summary.get('eval_samples'))}",
+                        _num(summary.get("pass_before")),
+                        _num(summary.get("pass_after"))))
     if summary.get("malformed_lines"):
         rows.append(("skipped metrics lines", "", str(summary["malformed_lines"])))
     head = (f"<tr><th></th><th>before RL (step {_e(summary.get('em_before_step'))})</th>"

@@ -329,7 +329,7 @@ def write_plots(out: Path, train: list[Row], evals: list[Row], summary: dict[str
     return [
         _step_plot(paths[0], "Reward and exact match", "value", train, evals,
                    [("reward/mean", "reward (train)"), ("em/mean", "EM (train)")],
-                   [("eval/em", "EM (held-out, greedy)")], em_points=True, **common),
+                   [("eval/em", f"EM (held-out, {summary.get('eval_mode') or 'greedy'})")], em_points=True, **common),
         _step_plot(paths[1], "Searches and turns per trajectory", "per trajectory", train,
                    evals, [("searches/mean", "searches (train)"), ("turns/mean", "turns (train)")],
                    [("eval/searches/mean", "searches (held-out)")], **common),

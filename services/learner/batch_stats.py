@@ -66,6 +66,25 @@ def trajectory_metrics(
     return out
 
 
+def pass_at_samples(questions: Sequence[Sequence[ScoredTrajectory]], prefix: str = "eval/"
+                    ) -> dict[str, float]:
+    """`pass@k` for questions sampled k times each: the share of questions that at least one
+    of their samples answered exactly (verl's best@k with every sample drawn), overall and per
+    data source. The mean over samples (mean@k) is `em/mean` of the flattened samples."""
+    questions = [q for q in questions if q]
+    if not questions:
+        return {}
+    k = max(len(q) for q in questions)
+    solved = [(q[0].trajectory.data_source, any(is_correct(i) for i in q)) for q in questions]
+    out = {f"{prefix}pass@{k}": _mean(float(hit) for _, hit in solved)}
+    by_source: dict[str, list[bool]] = defaultdict(list)
+    for source, hit in solved:
+        by_source[source].append(hit)
+    for source, hits in sorted(by_source.items()):
+        out[f"{prefix}pass@{k}/{source}"] = _mean(float(hit) for hit in hits)
+    return out
+
+
 def generated_metrics(trained: Sequence[ScoredTrajectory],
                       filtered: Sequence[ScoredTrajectory]) -> dict[str, float]:
     """`generated/*`: what the policy played since the last step, the groups it trains plus

@@ -63,7 +63,12 @@ from services.learner import distributed as D
 from services.learner import loop_metrics as M
 from services.learner.algorithms import AlgorithmSettings
 from services.learner.algorithms.filters import filter_groups
-from services.learner.batch_stats import generated_metrics, probe_metrics, trajectory_metrics
+from services.learner.batch_stats import (
+    generated_metrics,
+    pass_at_samples,
+    probe_metrics,
+    trajectory_metrics,
+)
 from services.learner.checkpoint import (
     TrainerState,
     agreed_checkpoint,
@@ -133,6 +138,12 @@ def broadcast_fields(samples: list[Sample], names: tuple[str, ...]) -> None:
             pos += len(sample)
 
 
+def _sample_index(sample_id: str) -> int:
+    """The sample's place in its group, from the rollout's `uid:attempt:index` sample id."""
+    last = str(sample_id).rsplit(":", 1)[-1]
+    return int(last) if last.isdigit() else 0
+
+
 def jsonable(metrics: dict[str, Any]) -> dict[str, Any]:
     """Plain floats/ints (NaN and inf as null, which JSON has no literal for)."""
     out: dict[str, Any] = {}
@@ -193,7 +204,8 @@ class LearnerLoop:
         self.source: PromptSource | None = None
         self.train_rows: list[dict[str, Any]] = []
         self.test_rows: list[dict[str, Any]] = []
-        self.eval_results: dict[str, ScoredTrajectory] = {}
+        # Each question's samples so far, by sample index (learner.eval_samples of them).
+        self.eval_results: dict[str, dict[int, ScoredTrajectory]] = {}
         self.eval_pending: set[str] = set()
         # Evaluation questions by uid, for re-issuing one whose trajectory failed (a search
         # that never reached the retriever), and how many were given up that way.
@@ -531,12 +543,7 @@ class LearnerLoop:
             ids.append(message.id)
             traj = item.trajectory
             if traj.kind == "eval":
-                if traj.uid in self.eval_pending and traj.finish_reason == "error":
-                    if self._latest_eval_attempt(traj):
-                        self._retry_eval(traj)
-                elif traj.uid in self.eval_pending:
-                    self.eval_pending.discard(traj.uid)
-                    self.eval_results[traj.uid] = item
+                self._take_eval(item)
                 continue
             if traj.finish_reason == "error":
                 outcome = self.ledger.reject(item)
@@ -821,6 +828,22 @@ class LearnerLoop:
             return True
         return int(parts[1]) >= group.attempt
 
+    def _take_eval(self, item: ScoredTrajectory) -> None:
+        """File an evaluation answer under its question and sample index; the question is
+        answered once all `learner.eval_samples` of its samples are in (a redelivered sample
+        replaces itself). A failed sample issues the question again."""
+        traj = item.trajectory
+        if traj.uid not in self.eval_pending:
+            return
+        if traj.finish_reason == "error":
+            if self._latest_eval_attempt(traj):
+                self._retry_eval(traj)
+            return
+        samples = self.eval_results.setdefault(traj.uid, {})
+        samples[_sample_index(traj.sample_id)] = item
+        if len(samples) >= self.learner.eval_samples:
+            self.eval_pending.discard(traj.uid)
+
     def _retry_eval(self, traj: Any) -> None:
         """An evaluation trajectory that failed (its search never reached the retriever, the
         engine erred) says nothing about the policy: it is never scored as a wrong answer. The
@@ -838,17 +861,20 @@ class LearnerLoop:
                         self.learner.max_attempts)
             return
         self.eval_pending.discard(traj.uid)
+        self.eval_results.pop(traj.uid, None)  # its other samples alone would skew mean@n
         self.eval_failed.append(traj.uid)
         log.warning("evaluation question %s failed %d times (%s); left out of this evaluation",
                     traj.uid, self.learner.max_attempts, traj.error or "error")
 
     def _top_up_eval(self) -> None:
         """Publish queued evaluation questions while fewer than `learner.eval_max_in_flight`
-        published ones are unanswered (0: all at once). Training groups issued during the
-        evaluation then wait behind this window, not behind the whole test set."""
+        sequences (questions x `learner.eval_samples`) of published ones are unanswered (0: all
+        at once; at least one question). Training groups issued during the evaluation then
+        wait behind this window, not behind the whole test set."""
         window = self.learner.eval_max_in_flight
+        questions = max(1, window // self.learner.eval_samples)
         outstanding = len(self.eval_pending) - len(self.eval_queue)
-        count = len(self.eval_queue) if not window else max(0, window - outstanding)
+        count = len(self.eval_queue) if not window else max(0, questions - outstanding)
         batch = [self.eval_queue.popleft() for _ in range(min(count, len(self.eval_queue)))]
         ids = self._publish_groups(batch)
         if ids and self.eval_first_id is None:
@@ -864,7 +890,9 @@ class LearnerLoop:
             or not self.streams.has_entry("prompts", first))  # lost: do not wait for it
 
     def _evaluate(self) -> dict[str, Any] | None:
-        """Greedy pass over the test set through the rollout service; one `eval` JSON line.
+        """A pass over the test set through the rollout service (greedy, or
+        `learner.eval_samples` answers a question at `learner.eval_temperature`); one `eval`
+        JSON line.
 
         At most `learner.eval_max_questions` questions (a fixed subset, `eval_subset`), at
         most `learner.eval_max_in_flight` of them published and unanswered at a time; the
@@ -878,8 +906,12 @@ class LearnerLoop:
         started = time.monotonic()
         chosen = eval_subset(self.test_rows, self.learner.eval_max_questions)
         uids = [f"eval-v{version}-{i}" for i in chosen]
-        groups = [group_from_row(self.test_rows[i], uid, 1, kind="eval",
-                                 policy_version_min=version)
+        samples, temperature = self.learner.eval_samples, self.learner.eval_temperature
+        # top_p 1 and top_k off: the policy's own distribution at that temperature (verl's
+        # val_kwargs); without a temperature the replica plays eval groups greedily
+        sampling = {"temperature": temperature, "top_p": 1.0, "top_k": 0} if temperature else {}
+        groups = [group_from_row(self.test_rows[i], uid, samples, kind="eval",
+                                 policy_version_min=version, sampling=sampling)
                   for uid, i in zip(uids, chosen, strict=True)]
         self.eval_results = {}
         self.eval_pending = set(uids)
@@ -912,10 +944,12 @@ class LearnerLoop:
             self._receive(self.learner.poll_ms)
             self._top_up_eval()
             self._issue()  # training groups keep coming, and their re-issue bookkeeping
-            bar.update(len(self.eval_results) - bar.n)
+            bar.update(len(uids) - len(self.eval_pending) - bar.n)
         bar.close()
         self.eval_queue.clear()  # never published: nothing of them is left in the stream
-        items = [self.eval_results[u] for u in uids if u in self.eval_results]
+        answered = [[self.eval_results[u][k] for k in sorted(self.eval_results[u])]
+                    for u in uids if u not in self.eval_pending and u in self.eval_results]
+        items = [item for question in answered for item in question]
         if self.eval_pending:
             log.warning("evaluation: %d of %d results missing after %.0fs", len(self.eval_pending),
                         len(uids), time.monotonic() - started)
@@ -923,13 +957,18 @@ class LearnerLoop:
         record: dict[str, Any] = {"kind": "eval", "step": step, "policy_version": version,
                                   "time": time.time(),
                                   "elapsed_s": time.monotonic() - self.started,
-                                  "eval/n": len(items), "eval/missing": len(self.eval_pending),
+                                  "eval/n": len(answered),
+                                  "eval/missing": len(self.eval_pending),
                                   "eval/failed": len(self.eval_failed),
                                   "eval/em": metrics.get("eval/em/mean"),
                                   "eval/reward": metrics.get("eval/reward/mean"),
                                   "eval/seconds": time.monotonic() - started}
         record.update(metrics)
-        for source, count in Counter(i.trajectory.data_source for i in items).items():
+        if samples > 1:  # eval/em is then mean@n over each question's samples
+            record.update({"eval/samples_per_question": samples,
+                           "eval/temperature": temperature})
+            record.update(pass_at_samples(answered, prefix="eval/"))
+        for source, count in Counter(q[0].trajectory.data_source for q in answered).items():
             record[f"eval/n/{source}"] = count  # the n behind each per-source EM's interval
         self._write_metrics(record)
         if self.sample_log is not None:
@@ -939,9 +978,12 @@ class LearnerLoop:
         self.eval_pending = set()
         done = list(self.state.data_cursor.get("evals_done", []))
         self.state.data_cursor["evals_done"] = sorted(set(done) | {step})
-        log.info("eval at step %d: em %.3f over %d questions (searches %.2f) in %.0fs", step,
-                 record["eval/em"] or 0.0, len(items), metrics.get("eval/searches/mean", 0.0),
-                 record["eval/seconds"])
+        how = "" if samples == 1 else (
+            f" (mean of {samples} samples at temperature {temperature:g}; pass@{samples} "
+            f"{record.get(f'eval/pass@{samples}', 0.0):.3f})")
+        log.info("eval at step %d: em %.3f%s over %d questions (searches %.2f) in %.0fs", step,
+                 record["eval/em"] or 0.0, how, len(answered),
+                 metrics.get("eval/searches/mean", 0.0), record["eval/seconds"])
         return record
 
 

@@ -131,6 +131,12 @@ def test_real_learn_sizes_follow_the_device_and_the_flags():
     assert "rollout.groups_per_batch=1" in rl.run_overrides(quick, "cuda")
     with pytest.raises(SystemExit, match="--rollouts must be at least 1"):
         rl.resolve_sizes(rl.make_parser().parse_args(["--rollouts", "0"]), "cpu")
+    # greedy evaluation by default (Search-R1's); --eval-samples k samples k at temperature 1
+    assert "learner.eval_samples=1" in sets and "learner.eval_temperature=0.0" in sets
+    sampled = rl.make_parser().parse_args(["--eval-samples", "4"])
+    rl.resolve_sizes(sampled, "cpu")
+    learner = load_config(rl.BASE_CONFIG, rl.run_overrides(sampled, "cpu")).learner
+    assert (learner.eval_samples, learner.eval_temperature) == (4, 1.0)
 
 
 def test_real_learn_reads_em_per_question_kind_from_an_evaluation():

@@ -250,3 +250,26 @@ def test_played_reward_in_the_summary_only_with_the_group_filter() -> None:
     assert summary["played_em_last"] == pytest.approx(0.25)
     assert re.search(r"reward \(played\)\s+0\.300 -> 0\.500", format_table(summary))
     assert "played reward / EM" in summary_table(summary, [])
+
+
+def test_sampled_evaluation_is_named_in_the_summary() -> None:
+    """Eval lines of learner.eval_samples > 1: EM is mean@k, and pass@k sits beside it; a
+    greedy run's report says greedy and shows no pass@k."""
+    from services.launch.cli_report import format_table
+    from services.launch.report_html import summary_table
+
+    rows = [_train(step, 0.5, probe=False) for step in range(1, 4)]
+    evals = [_eval(0, 0.25, 1.0, 1.0), _eval(3, 0.5, 1.2, 9.0)]
+    plain = summarize(rows, evals, None)
+    assert plain["eval_mode"] == "greedy" and plain["pass_after"] is None
+    assert "held-out EM (greedy)" in summary_table(plain, evals)
+    assert "pass@" not in format_table(plain)
+    for row, hit in zip(evals, (0.5, 0.875), strict=True):
+        row.update({"eval/samples_per_question": 4, "eval/temperature": 1.0,
+                    "eval/pass@4": hit})
+    summary = summarize(rows, evals, None)
+    assert summary["eval_mode"] == "mean@4, temperature 1" and summary["eval_samples"] == 4
+    assert (summary["pass_before"], summary["pass_after"]) == (0.5, 0.875)
+    assert "held-out EM (mean@4, temperature 1), 95% CI" in summary_table(summary, evals)
+    assert "held-out pass@4" in summary_table(summary, evals)
+    assert re.search(r"pass@4 \(eval\)\s+0\.500 -> 0\.875", format_table(summary))

@@ -22,6 +22,7 @@ from services.common.config import load_config
 from services.common.config.redis import RedisSection
 from services.common.streams import RedisStreams
 from services.common.trajectory import PromptGroup, ScoredTrajectory, Trajectory, Turn
+from services.launch.progress import format_line
 from services.learner.loop import LearnerLoop
 from services.learner.prompts import eval_subset
 
@@ -252,6 +253,60 @@ def test_a_repeated_failure_of_an_old_issue_does_not_spend_attempts(
         record = loop._evaluate()
     assert record["eval/n"] == 1 and record["eval/failed"] == 0
     assert [g.attempt for g in replica.taken if g.kind == "eval"] == [0, 1]
+
+
+def test_sampled_evaluation_reports_mean_and_pass_at_n(make_loop, redis_url, namespace):
+    """learner.eval_samples 3 at temperature 1: each question is one group of 3 sampled
+    answers; eval/em is the mean over samples (mean@3) and eval/pass@3 the share of questions
+    some sample answered. A failed sample issues its question again (its samples of the
+    failed issue are replaced by the re-issue's), a redelivered sample counts once, and
+    eval_max_in_flight counts sequences: 3 of them are one question at a time."""
+    rows = _rows(2) + _rows(2, "synth_multihop", start=2)
+    loop = make_loop(rows, eval_samples=3, eval_temperature=1.0, eval_max_in_flight=3)
+    hits = {0: 3, 1: 1, 2: 0, 3: 2}  # question index -> samples answered right
+
+    def answer(group: PromptGroup) -> list[tuple[int, bool]]:
+        if group.kind == "eval" and group.uid.endswith("-3") and group.attempt == 0:
+            return [(0, False), (1, True), (2, False)]  # the failed search: issued again
+        if group.kind == "eval":
+            return [(0, False), (0, False), (1, False), (2, False)]  # 0 delivered twice
+        return [(i, False) for i in range(group.n)]
+
+    def reward(group: PromptGroup, index: int) -> float:
+        question = int(group.uid.rsplit("-", 1)[1]) if group.kind == "eval" else 0
+        return float(index < hits[question])
+
+    outstanding: list[int] = []
+    answered = [0]
+
+    def on_take(streams: RedisStreams, group: PromptGroup) -> None:
+        if group.kind == "eval" and group.attempt == 0:
+            published = sum(1 for _, f in streams.client.xrange(streams.key("prompts"))
+                            if decode_as(f[b"payload"], PromptGroup).kind == "eval")
+            outstanding.append(published - answered[0])
+            answered[0] += 1
+
+    with Replica(redis_url, namespace, answer=answer, reward=reward,
+                 on_take=on_take) as replica:
+        record = loop._evaluate()
+    asked = [g for g in replica.taken if g.kind == "eval"]
+    assert {g.n for g in asked} == {3}
+    assert all(g.sampling == {"temperature": 1.0, "top_p": 1.0, "top_k": 0} for g in asked)
+    assert record["eval/n"] == 4 and record["eval/missing"] == 0 and record["eval/failed"] == 0
+    assert record["eval/samples_per_question"] == 3 and record["eval/temperature"] == 1.0
+    assert record["eval/em"] == pytest.approx(6 / 12)
+    assert record["eval/pass@3"] == pytest.approx(3 / 4)
+    assert record["eval/pass@3/synth_single"] == 1.0
+    assert record["eval/pass@3/synth_multihop"] == 0.5
+    assert record["eval/em/synth_multihop"] == pytest.approx(2 / 6)
+    assert record["eval/n/synth_single"] == 2 and record["eval/n/synth_multihop"] == 2
+    assert max(outstanding) <= 1, outstanding
+    assert "EM 0.500 (mean@3, pass@3 0.750) over 4 questions" in format_line(record)
+
+
+def test_sampled_evaluation_needs_a_temperature(tmp_path):
+    with pytest.raises(ValueError, match="eval_samples > 1 needs learner.eval_temperature"):
+        load_config(None, [f"run_dir={tmp_path}", "learner.eval_samples=4"])
 
 
 def test_the_group_filter_keeps_what_it_dropped_for_the_generated_metrics(

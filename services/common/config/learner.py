@@ -135,7 +135,7 @@ class LearnerSection(Section):
     # Scored trajectories read per poll, and how long one read blocks.
     consume_batch: int = Field(default=256, ge=1)
     poll_ms: int = Field(default=200, ge=1)
-    # Greedy evaluation on data.test_files through the rollout service: before the first step,
+    # Evaluation on data.test_files through the rollout service: before the first step,
     # every `eval_every` steps (0: never in between) and after the last step.
     eval_before: bool = True
     eval_every: int = Field(default=0, ge=0)
@@ -151,6 +151,12 @@ class LearnerSection(Section):
     # whole test set, and an evaluation that times out leaves at most this many questions in
     # the stream. Keep it >= 2 x replicas x rollout.max_batch_size for a full-speed evaluation.
     eval_max_in_flight: int = Field(default=1024, ge=0)
+    # Answers sampled per question (verl's val_kwargs.n). 1 with temperature 0 is Search-R1's
+    # greedy evaluation; above 1, eval/em is the mean over each question's samples (mean@n)
+    # and eval/pass@n the share of questions some sample answered, at `eval_temperature`
+    # with top_p 1 and top_k off (verl's val_kwargs defaults).
+    eval_samples: int = Field(default=1, ge=1)
+    eval_temperature: float = Field(default=0.0, ge=0)
     # Group filter guard: after this many constant-reward groups are dropped in a row without a
     # batch forming, the next batch is trained unfiltered (logged) instead of sampling forever.
     filter_max_dropped: int = Field(default=256, ge=1)
@@ -198,4 +204,7 @@ class LearnerSection(Section):
             raise ValueError("learner.sft_until needs learner.sft_max_steps (the cap)")
         if self.sft_max_steps is not None and self.sft_min_steps > self.sft_max_steps:
             raise ValueError("learner.sft_min_steps is above learner.sft_max_steps")
+        if self.eval_samples > 1 and self.eval_temperature == 0:
+            raise ValueError("learner.eval_samples > 1 needs learner.eval_temperature > 0: "
+                             "greedy answers to one question are all the same")
         return self
