@@ -626,7 +626,7 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"| point | EM | EM by kind | format | searches/q |{f' pass@{k} |' if k > 1 else ''}"
           f"\n|---|---|---|---|---|{'---|' if k > 1 else ''}")
     print(f"| zero-shot | {fmt(zs['em'])} | | {fmt(zs['format'])} | "
-          f"{zs['searches_per_question']:.2f} |")
+          f"{zs['searches_per_question']:.2f} |{' |' if k > 1 else ''}")
     for mode, run in result["runs"].items():
         for label, p in (("SFT (RL start)", run["sft_start"]), (f"after GRPO {mode}", run["end"])):
             searches = p.get("searches_per_question")
