@@ -77,7 +77,7 @@ from services.learner.checkpoint import (
     save_checkpoint,
     trim_metrics,
 )
-from services.learner.loop_state import GroupLedger, baseline_uid
+from services.learner.loop_state import GroupLedger, baseline_uid, sample_index
 from services.learner.packing import Sample
 from services.learner.prompts import (
     PromptSource,
@@ -136,12 +136,6 @@ def broadcast_fields(samples: list[Sample], names: tuple[str, ...]) -> None:
         for sample in samples:
             sample.set_field(name, host[pos : pos + len(sample)])
             pos += len(sample)
-
-
-def _sample_index(sample_id: str) -> int:
-    """The sample's place in its group, from the rollout's `uid:attempt:index` sample id."""
-    last = str(sample_id).rsplit(":", 1)[-1]
-    return int(last) if last.isdigit() else 0
 
 
 def jsonable(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -831,7 +825,8 @@ class LearnerLoop:
     def _take_eval(self, item: ScoredTrajectory) -> None:
         """File an evaluation answer under its question and sample index; the question is
         answered once all `learner.eval_samples` of its samples are in (a redelivered sample
-        replaces itself). A failed sample issues the question again."""
+        replaces itself). A failed sample issues the question again; a sample index outside
+        the group is malformed and left out, as the training ledger does."""
         traj = item.trajectory
         if traj.uid not in self.eval_pending:
             return
@@ -839,8 +834,13 @@ class LearnerLoop:
             if self._latest_eval_attempt(traj):
                 self._retry_eval(traj)
             return
+        index = sample_index(traj.sample_id)
+        if index is None or index >= self.learner.eval_samples:
+            log.warning("evaluation answer %s has no sample index of its question's %d; left out",
+                        traj.sample_id, self.learner.eval_samples)
+            return
         samples = self.eval_results.setdefault(traj.uid, {})
-        samples[_sample_index(traj.sample_id)] = item
+        samples[index] = item
         if len(samples) >= self.learner.eval_samples:
             self.eval_pending.discard(traj.uid)
 

@@ -259,7 +259,8 @@ def test_sampled_evaluation_reports_mean_and_pass_at_n(make_loop, redis_url, nam
     """learner.eval_samples 3 at temperature 1: each question is one group of 3 sampled
     answers; eval/em is the mean over samples (mean@3) and eval/pass@3 the share of questions
     some sample answered. A failed sample issues its question again (its samples of the
-    failed issue are replaced by the re-issue's), a redelivered sample counts once, and
+    failed issue are replaced by the re-issue's), a redelivered sample counts once, a sample
+    index outside the group is left out, and
     eval_max_in_flight counts sequences: 3 of them are one question at a time."""
     rows = _rows(2) + _rows(2, "synth_multihop", start=2)
     loop = make_loop(rows, eval_samples=3, eval_temperature=1.0, eval_max_in_flight=3)
@@ -268,8 +269,8 @@ def test_sampled_evaluation_reports_mean_and_pass_at_n(make_loop, redis_url, nam
     def answer(group: PromptGroup) -> list[tuple[int, bool]]:
         if group.kind == "eval" and group.uid.endswith("-3") and group.attempt == 0:
             return [(0, False), (1, True), (2, False)]  # the failed search: issued again
-        if group.kind == "eval":
-            return [(0, False), (0, False), (1, False), (2, False)]  # 0 delivered twice
+        if group.kind == "eval":  # 3 is outside the group; 0 is delivered twice
+            return [(3, False), (0, False), (0, False), (1, False), (2, False)]
         return [(i, False) for i in range(group.n)]
 
     def reward(group: PromptGroup, index: int) -> float:
