@@ -5,19 +5,29 @@
   links to the bench/README.md section that holds it, so a new measurement changes one place.
 - **Links resolve.** Every relative link in the Markdown users read points at a file inside the
   repository, and every `#anchor` names a heading of its target (GitHub's anchor rule).
-- **Nothing outside the repository.** No user-facing text cites a file a clone does not have
-  (the design notes beside the repository, `DESIGN.md`): the architecture is
-  docs/architecture.md, and every docs page cites it.
+- **Nothing outside the repository.** No user-facing text, source comment or .proto cites a
+  file a clone does not have (the design notes beside the repository, `DESIGN.md`): the
+  architecture is docs/architecture.md, and every docs page cites it.
+- **Cited paths exist.** Every repository path the docs, configs, sources and .proto files cite
+  (`docs/…`, `tests/…`, `bench/…`) exists, and every `tests/….py::test_name` names a test of
+  that file.
+- **Facts that follow the code.** The tool-call outcomes docs/rollout.md lists are the ones the
+  rollout code counts; the Redis retry total docs/streams.md quotes is the one its defaults
+  give; docs/deploy.md names the GPU image's Python and every image
+  deploy/local-base-images.sh stands in for; every `docker compose run` the docs give has
+  `--no-deps`.
 - **No internal process words.** Users read facts, not the project's bookkeeping: no issue
   numbers, "the issue's target", "issue notes" or work "sittings".
 - **A short README** (at most 150 lines).
 
-No subprocess and no import of Forage: the whole file runs in well under a second.
+No subprocess and no import of Forage (sources are read as text or parsed with `ast`): the
+whole file runs in about a second.
 tests/test_docs_run.py runs the docs' commands.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -31,6 +41,14 @@ DOCS = sorted((REPO / "docs").glob("*.md"))
 MARKDOWN = [README, *DOCS, *sorted((REPO / "bench").glob("*.md")),
             *sorted((REPO / "deploy").rglob("*.md"))]
 USER_TEXT = [*MARKDOWN, *sorted((REPO / "configs").glob("*.yaml"))]
+# Text a user reads beside the docs: the sources' docstrings and comments, the .proto contracts,
+# the deploy files.
+SOURCE_TEXT = [*sorted((REPO / "proto").rglob("*.proto")),
+               *sorted((REPO / "services").rglob("*.py")), *sorted((REPO / "bench").rglob("*.py")),
+               *sorted(p for p in (REPO / "deploy").rglob("*")
+                       if p.is_file() and p.suffix in {".sh", ".yaml", ".yml", ".json", ""}),
+               REPO / "docker-compose.yml", REPO / "kustomization.yaml", REPO / "Makefile",
+               REPO / "pyproject.toml"]
 README_MAX_LINES = 150
 
 
@@ -184,12 +202,69 @@ OUTSIDE = re.compile(r"\.\./shared|\bshared/(?:DESIGN|reference)|\bDESIGN\.md\b|
                      r"\bdesign notes\b|beside the repository", re.I)
 
 
+def _lines(path: Path) -> list[str]:
+    try:
+        return path.read_text().splitlines()
+    except (UnicodeDecodeError, FileNotFoundError):  # a binary file, a file not in this clone
+        return []
+
+
 @pytest.mark.parametrize("doc", USER_TEXT, ids=rel)
 def test_no_text_cites_a_file_outside_the_repository(doc: Path) -> None:
     hits = [f"{rel(doc)}:{n}: {line.strip()}" for n, line in
             enumerate(doc.read_text().splitlines(), 1) if OUTSIDE.search(line)]
     assert not hits, ("cites a file a clone of Forage does not have; the architecture is "
                       "docs/architecture.md:\n" + "\n".join(hits))
+
+
+def test_no_source_cites_a_file_outside_the_repository() -> None:
+    hits = [f"{rel(path)}:{n}: {line.strip()}" for path in SOURCE_TEXT
+            for n, line in enumerate(_lines(path), 1) if OUTSIDE.search(line)]
+    assert not hits, ("a comment, docstring or .proto cites a file a clone of Forage does not "
+                      "have; cite docs/ instead:\n" + "\n".join(hits))
+
+
+# --------------------------------------------------------------------------- cited paths
+
+# A repository path as text cites it: docs/rollout.md, tests/launch/test_demo.py::test_x.
+CITED_PATH = re.compile(
+    r"(?<![\w./-])((?:docs|bench|deploy|configs|services|tests|proto)/[\w./-]*\w"
+    r"\.(?:md|py|ya?ml|sh|proto|json|toml))(?:::(\w+))?")
+# Files a user writes, named in examples: configs/my_rewards.py, "in configs/run.yaml".
+EXAMPLE_PATHS = re.compile(r"(?:^|/)my_\w+\.\w+$|^configs/run\.yaml$")
+
+
+def stale_citations(path: Path) -> list[str]:
+    problems = []
+    for n, line in enumerate(_lines(path), 1):
+        for match in CITED_PATH.finditer(line):
+            cited, test = match.groups()
+            target = REPO / cited
+            if EXAMPLE_PATHS.search(cited):
+                continue
+            if not target.exists():
+                problems.append(f"{rel(path)}:{n}: {cited} does not exist")
+            elif test and not re.search(rf"^\s*(?:async\s+)?def {test}\(", target.read_text(),
+                                        re.M):
+                problems.append(f"{rel(path)}:{n}: {cited} has no test {test}")
+    return problems
+
+
+def test_cited_path_rule() -> None:
+    found = [m.groups() for m in CITED_PATH.finditer(
+        "see docs/rollout.md, `tests/launch/test_demo.py::test_x` and bench/README.md; not "
+        "runs/demo/config.yaml, services/<service>/cli.py or tests/deploy/*.py")]
+    assert found == [("docs/rollout.md", None), ("tests/launch/test_demo.py", "test_x"),
+                     ("bench/README.md", None)]
+    assert EXAMPLE_PATHS.search("configs/my_rewards.py")
+    assert not EXAMPLE_PATHS.search("configs/tiny.yaml")
+
+
+def test_every_cited_path_and_test_exists() -> None:
+    problems = [problem for path in [*USER_TEXT, *SOURCE_TEXT]
+                for problem in stale_citations(path)]
+    assert not problems, ("text cites a file or test that is not in the repository (renamed or "
+                          "removed?):\n" + "\n".join(problems))
 
 
 def test_architecture_is_in_the_repository_and_cited() -> None:
@@ -236,3 +311,103 @@ def test_readme_is_short() -> None:
     assert len(lines) <= README_MAX_LINES, (
         f"README.md has {len(lines)} lines (at most {README_MAX_LINES}): details belong in "
         "docs/, figures in bench/README.md")
+
+
+# --------------------------------------------------------------------------- facts of the code
+
+
+def _literal_values(path: Path, name: str) -> list[str]:
+    """The strings of `NAME = Literal["a", "b", ...]` in a source file."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and getattr(node.targets[0], "id", None) == name
+                and isinstance(node.value, ast.Subscript)):
+            found = [c.value for c in ast.walk(node.value.slice)
+                     if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+            if found:
+                return found
+    raise AssertionError(f"{rel(path)} has no {name} = Literal[...]")
+
+
+def _field_default(path: Path, name: str) -> float:
+    """The default of `name: T = Field(default=X, ...)` (or `= X`) in a config source file."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == name
+                and node.value is not None):
+            value = node.value
+            if isinstance(value, ast.Call):
+                value = next(k.value for k in value.keywords if k.arg == "default")
+            return float(ast.literal_eval(value))
+    raise AssertionError(f"{rel(path)} has no field {name}")
+
+
+def test_rollout_doc_lists_every_tool_call_outcome() -> None:
+    """forage_rollout_tool_calls_total's outcome label: what a call that ran came to
+    (tool_runner.ToolOutcome) or why one could not run (tool_calls.ErrorKind). Both the prose
+    under "Limits" and the metrics table list each."""
+    ran = _literal_values(REPO / "services/rollout/tool_runner.py", "ToolOutcome")
+    unparsed = _literal_values(REPO / "services/common/tool_calls.py", "ErrorKind")
+    outcomes = {*ran, *unparsed}
+    # The agent loop counts built-in tools itself: every outcome it names is one of these.
+    agent = ast.parse((REPO / "services/rollout/agent.py").read_text())
+    counted = {c.value for node in ast.walk(agent)
+               if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "labels"
+               and ast.unparse(node.func.value).endswith("TOOL_CALLS") and len(node.args) == 2
+               for c in ast.walk(node.args[1]) if isinstance(c, ast.Constant)}
+    assert counted, "no metrics.TOOL_CALLS.labels(tool, outcome) found in agent.py"
+    assert counted <= outcomes, f"agent.py counts outcomes no Literal names: {counted - outcomes}"
+    text = (REPO / "docs/rollout.md").read_text()
+    prose = text[text.index("Outcomes are counted per tool"):text.index("### MCP servers")]
+    (row,) = [line for line in text.splitlines()
+              if line.startswith("| `forage_rollout_tool_calls_total")]
+    for where, body in (("the Limits section", prose), ("the metrics table", row)):
+        missing = [o for o in sorted(outcomes) if f"`{o}`" not in body]
+        assert not missing, f"docs/rollout.md, {where}, does not list outcomes {missing}"
+
+
+def test_streams_doc_quotes_the_retry_total_of_the_defaults() -> None:
+    config = REPO / "services/common/config/redis.py"
+    attempts = int(_field_default(config, "retry_attempts"))
+    base = _field_default(config, "retry_backoff_s")
+    cap = _field_default(config, "retry_backoff_max_s")
+    sleeps = [min(cap, base * 2**k) for k in range(attempts - 1)]  # streams.backoff_delay
+    total = f"{sum(sleeps):.1f} s"
+    said = re.search(r"add up to (\d+(?:\.\d+)?) s", (REPO / "docs/streams.md").read_text())
+    assert said and f"{said.group(1)} s" == total, (
+        f"docs/streams.md, \"Connection loss\": the default retries sleep {total} in all "
+        f"({sleeps}), the doc says {said.group(0) if said else 'nothing'}")
+    assert f"sleep {total} in all" in config.read_text(), f"{rel(config)}'s comment: {total}"
+
+
+def test_deploy_doc_names_the_images_the_deploy_files_use() -> None:
+    dockerfile = (REPO / "deploy/Dockerfile").read_text()
+    deploy_doc = (REPO / "docs/deploy.md").read_text()
+    (python,) = set(re.findall(r"\b(python3\.\d+) -m venv\b", dockerfile))
+    version = python.removeprefix("python")
+    assert f"Python {version} venv" in deploy_doc, (
+        f"docs/deploy.md should say the GPU image's venv is Python {version} (deploy/Dockerfile)")
+    # deploy/local-base-images.sh stands in for the cpu target's base and compose's images.
+    script = (REPO / "deploy/local-base-images.sh").read_text()
+    compose = (REPO / "docker-compose.yml").read_text()
+    images = re.findall(r"(?im)^FROM\s+(\S+)\s+AS\s+cpu\s*$", dockerfile)
+    for service in re.findall(r"\$\(compose_image ([\w-]+)\)", script):
+        block = re.search(rf"(?ms)^  {re.escape(service)}:\n(.*?)(?=^  \S|\Z)", compose)
+        assert block, f"docker-compose.yml has no service {service}"
+        images += re.findall(r"^\s+image:\s*(\S+)", block.group(1), re.M)
+    assert len(images) == 4, images
+    section = deploy_doc[deploy_doc.index("### Air-gapped builds"):]
+    section = section[:section.index("\n## ")]
+    missing = [image for image in images if f"`{image}`" not in section]
+    assert not missing, ("docs/deploy.md, \"Air-gapped builds\", does not name stand-ins that "
+                         f"deploy/local-base-images.sh builds: {missing}")
+
+
+def test_every_documented_compose_run_has_no_deps() -> None:
+    """`docker compose run SERVICE` first starts what SERVICE depends on: for the learner, Redis,
+    the hours-long index build and the retriever. A one-off command needs none of it."""
+    runs = [(rel(doc), n, line.strip()) for doc in MARKDOWN
+            for n, line in enumerate(doc.read_text().splitlines(), 1)
+            if re.search(r"docker[ -]compose run\b", line)]
+    assert runs, "the docs give no `docker compose run` command any more: drop this check"
+    without = [f"{doc}:{n}: {line}" for doc, n, line in runs if "--no-deps" not in line]
+    assert not without, "`docker compose run` without --no-deps:\n" + "\n".join(without)

@@ -3,7 +3,8 @@
 Why a client optimizer: DeepSpeed's own CPU/fused Adam variants need a compiled op, while a
 torch.optim.AdamW handed to `deepspeed.initialize` works on every stage (0-3) and device; ZeRO
 wraps it and partitions its state. `optimizer: cpu_adam` picks DeepSpeedCPUAdam instead (gcc
-builds it on first use), the usual choice with ZeRO-offload.
+builds it on first use). It needs the parameters on the CPU, so it serves a learner on CPU
+only: ZeRO-Offload, which would put them there on a GPU learner, is not exposed (ds_config).
 
 Why we drive the accumulation boundary ourselves: packed micro-batches make the number of
 micro-batches per optimizer step vary with the lengths in the batch, while DeepSpeed's

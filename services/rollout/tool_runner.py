@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from services.common.config.rollout import McpServer, ToolLimits, UserTool
 from services.common.plugins import load_ref
@@ -57,6 +57,12 @@ BACKOFF_S = 0.05  # first retry's pause; doubles each retry
 # returning megabytes must not cost a tokenizer pass over all of them.
 MAX_RESULT_CHARS = 200_000
 
+# How a call that ran ended, the `outcome` label of forage_rollout_tool_calls_total: `ok`,
+# `tool_error` (the tool's own error), `error` (transient failures, retries spent) or `timeout`.
+# A call that could not be parsed is counted under its tool_calls.ErrorKind instead
+# (docs/rollout.md lists both).
+ToolOutcome = Literal["ok", "tool_error", "error", "timeout"]
+
 
 class ToolLoadError(ValueError):
     """A user or MCP tool that cannot be loaded; the message names the config entry."""
@@ -68,7 +74,7 @@ class Outcome:
 
     text: str
     ok: bool
-    outcome: str  # ok | tool_error (the tool's own error) | error (transient, retries spent)
+    outcome: ToolOutcome  # never `timeout`: the runner answers a call past its deadline
     retries: int = 0
 
 
@@ -165,7 +171,7 @@ class ToolResult:
     name: str
     text: str
     ok: bool
-    outcome: str  # ok | tool_error | error | timeout
+    outcome: ToolOutcome
     seconds: float
     retries: int = 0
 

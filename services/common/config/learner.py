@@ -82,7 +82,8 @@ class LearnerSection(Section):
     mini_batch_size: int = Field(default=0, ge=0)
     ppo_epochs: int = Field(default=1, ge=1)
     # "adamw": torch.optim.AdamW handed to DeepSpeed as a client optimizer (works everywhere);
-    # "cpu_adam": DeepSpeedCPUAdam (compiles an op with gcc on first use; for ZeRO offload).
+    # "cpu_adam": DeepSpeedCPUAdam (compiles an op with gcc on first use), for a learner on CPU
+    # only: it needs the parameters on the CPU, and ZeRO-Offload is not exposed.
     optimizer: Literal["adamw", "cpu_adam"] = "adamw"
     weight_decay: float = Field(default=0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)

@@ -54,7 +54,8 @@ class RetrieverSection(Section):
     workers: int = Field(default=0, ge=0)
     # Extra wait for a micro-batch to fill when the queue runs dry. 0 by default: requests that
     # arrive while a batch is running already share the next one, and a fixed wait only added
-    # its full length to single-query latency on CPU (bench/retriever.md). Raise it on a GPU.
+    # its full length to single-query latency on CPU (bench/README.md, "Retriever: HTTP
+    # /retrieve vs in-process search"). Raise it on a GPU.
     max_wait_ms: float = Field(default=0.0, ge=0)
     # Search-R1's trainer sends one POST per turn with every active sample's query: 512 (PPO)
     # or 2560 (GRPO, 5 samples). Larger requests are answered in chunks of `max_batch`

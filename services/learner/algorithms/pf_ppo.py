@@ -8,8 +8,9 @@ with replacement in favour of them. verl's `compute_advantage` (ray_trainer.py) 
 `algorithm.pf_ppo.reweight_method` and `algorithm.pf_ppo.weight_pow`.
 
 Here it is a pure function of the sequence scores that returns the indices to keep: the caller
-builds the resampled batch (`batch[indices]`, duplicates included). The RL loop does not call
-it yet (docs/algorithms.md, "PF-PPO").
+builds the resampled batch (`batch[indices]`, duplicates included). The RL loop calls it with
+`learner.algorithm.use_pf_ppo`, after the advantages, through `rl_batch.pf_ppo_batch`
+(docs/algorithms.md, "PF-PPO").
 """
 
 from __future__ import annotations
