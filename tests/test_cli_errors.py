@@ -1,5 +1,6 @@
-"""Expected failures of `forage` commands end with one error line and an exit code, never a
-traceback (issue 14 item 9, 10); a real bug shows its traceback and says it is one.
+"""Expected failures of `forage` commands end with one error line, `forage GROUP: error: ...`
+on stderr, and an exit code, never a traceback; a real bug shows its traceback and says it is
+one (docs/launch.md, "When a command fails").
 
 Every case runs the command as a process: exit code 2 for a wrong config, argument or input
 (not restarted by `forage up`), 75 (EX_TEMPFAIL) for Redis not answering or a port already
@@ -8,8 +9,10 @@ taken (worth a restart), and the error is stderr's only error line and its last 
 
 from __future__ import annotations
 
+import ast
 import errno
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -25,6 +28,9 @@ from services.common.config import ConfigError
 REPO = Path(__file__).resolve().parents[1]
 FORAGE = [sys.executable, "-m", "services.cli"]
 DEAD_REDIS = "redis://127.0.0.1:1/0"  # port 1: nothing listens there
+# docs/launch.md, "When a command fails": `forage GROUP: error: ...` or
+# `forage GROUP COMMAND: error: ...`.
+ERROR_LINE = re.compile(r"forage [a-z]+(?: [a-z-]+)?: error: \S")
 
 
 def run(args: list[str], timeout: float = 180, **kwargs) -> subprocess.CompletedProcess:
@@ -43,6 +49,7 @@ def one_error_line(result: subprocess.CompletedProcess, code: int, *words: str) 
     errors = [line for line in lines if "error" in line.lower()]
     assert len(errors) == 1, stderr[-3000:]
     assert lines[-1] == errors[0], stderr[-3000:]
+    assert ERROR_LINE.match(errors[0]), errors[0]
     for word in words:
         assert word in errors[0], errors[0]
     assert len(errors[0]) < 400, errors[0]
@@ -96,6 +103,53 @@ def test_an_override_nested_too_deeply_is_one_line():
     result = run(["score", "--set", f"run_id={deep}", "--data-source", "nq", "--solution", "x",
                   "--ground-truth", "y"], timeout=60)
     one_error_line(result, USAGE_ERROR, "nested too deeply", "20007 characters")
+
+
+def test_a_bad_config_says_which_command_on_stderr():
+    """Failed before: config errors were a bare `error: invalid config: ...`, and `forage demo`
+    printed its own to stdout."""
+    result = run(["config", "show", "--set", "learner.lrr=1"], timeout=60)
+    line = one_error_line(result, USAGE_ERROR)
+    assert line == ("forage config: error: invalid config: learner.lrr: unknown key (did you "
+                    "mean learner.lr?); on the command line: learner.lrr=1")
+    assert result.stdout == ""
+
+
+def test_forage_demo_reports_a_bad_config_like_every_command(tmp_path):
+    out = tmp_path / "demo"
+    result = run(["demo", "--quick", "--out", str(out), "--set", "learner.lrr=1"], timeout=120)
+    line = one_error_line(result, USAGE_ERROR)
+    assert line.startswith("forage demo: error: invalid config: learner.lrr: unknown key")
+    assert result.stdout == "" and not out.exists()
+
+
+def _error_texts(tree: ast.AST) -> list[ast.Call]:
+    """print(...) and SystemExit(...) calls whose first argument starts with `error:`."""
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and node.args):
+            continue
+        name = getattr(node.func, "id", getattr(node.func, "attr", ""))
+        first = node.args[0]
+        if isinstance(first, ast.JoinedStr) and first.values:
+            first = first.values[0]
+        while isinstance(first, ast.BinOp):  # "error: " + ...
+            first = first.left
+        if (name in ("print", "SystemExit") and isinstance(first, ast.Constant)
+                and isinstance(first.value, str) and first.value.lstrip().startswith("error:")):
+            found.append(node)
+    return found
+
+
+def test_no_command_prints_a_bare_error_line():
+    """Every error line names its command (ERROR_LINE): a bare `error: ...` in a log that
+    several services write to says nothing of which one failed."""
+    assert _error_texts(ast.parse('print(f"error: {x}")\nraise SystemExit("error: " + y)'))
+    assert not _error_texts(ast.parse('print(f"forage score: error: {x}")'))
+    bare = [f"{path.relative_to(REPO)}:{call.lineno}"
+            for path in sorted((REPO / "services").rglob("*.py"))
+            for call in _error_texts(ast.parse(path.read_text()))]
+    assert not bare, f"error lines without `forage GROUP: `: {bare}"
 
 
 def test_config_anchors_that_expand_modestly_still_work(tmp_path):

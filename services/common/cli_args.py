@@ -10,10 +10,9 @@ anywhere on the command line; overrides apply after every file, in the order giv
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 
-from services.common.config import ConfigError, RunConfig, is_bare_override, load_config
+from services.common.config import RunConfig, is_bare_override, load_config
 
 
 def add_config_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
@@ -57,9 +56,7 @@ def take_bare_overrides(namespace: argparse.Namespace, extras: Sequence[str],
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """Load the config named on the command line; exit with the error text when it is bad."""
-    try:
-        return load_config(getattr(args, "config", None), getattr(args, "overrides", []))
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    """Load the config named on the command line. A bad one raises ConfigError, which the
+    `forage` command prints as `forage GROUP: error: invalid config: ...` and ends with exit
+    code 2 (services/common/cli_errors.py)."""
+    return load_config(getattr(args, "config", None), getattr(args, "overrides", []))

@@ -20,13 +20,10 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from services.common.config import ConfigError
     from services.common.logs import setup_logging
     from services.launch.demo import main_entry
 
     setup_logging("demo", "demo", "WARNING")
-    try:
-        return main_entry(args.out, args.quick, args.overrides, args.fresh, args.rollouts)
-    except ConfigError as exc:
-        print(f"forage demo: {exc}")
-        return 2
+    # A bad --set raises ConfigError: `forage demo: error: invalid config: ...` on stderr,
+    # exit code 2, as every command (services/common/cli_errors.py).
+    return main_entry(args.out, args.quick, args.overrides, args.fresh, args.rollouts)

@@ -339,7 +339,7 @@ def main_entry(out: str | None, quick: bool, overrides: list[str], fresh: bool,
     try:
         return run_demo(target, quick=quick, overrides=overrides, fresh=fresh, rollouts=rollouts)
     except DemoError as exc:
-        print(f"forage demo: {exc}", file=sys.stderr)
+        print(f"forage demo: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("forage demo: interrupted", file=sys.stderr)

@@ -109,7 +109,7 @@ def _build(args: argparse.Namespace) -> int:
     try:  # before the corpus is read: asking for cuda and encoding on CPU is an error
         check_device(args.device, args.index_type, index_on_device=False, key="--device")
     except DeviceError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"forage retriever build-index: error: {exc}", file=sys.stderr)
         return 2
     params = {
         key: value
@@ -129,7 +129,7 @@ def _build(args: argparse.Namespace) -> int:
             refine=args.refine, k_factor=args.k_factor,
         )
     except (BuildError, CorpusError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"forage retriever build-index: error: {exc}", file=sys.stderr)
         return 2
     print(out)
     return 0
@@ -148,12 +148,13 @@ def _serve(args: argparse.Namespace) -> int:
             if value is not None:
                 setattr(settings, key, value)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"forage retriever serve: error: {exc}", file=sys.stderr)
         return 2
     setup_logging("retriever", run_id=config.run_id, level=config.log_level)
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # which CPU variant it tried
     if not settings.index_dir:
-        print("error: no index: give --index DIR or set retriever.index_dir", file=sys.stderr)
+        print("forage retriever serve: error: no index: give --index DIR or set "
+              "retriever.index_dir", file=sys.stderr)
         return 2
     from services.retriever.indexes import DeviceError
     from services.retriever.manifest import IndexLoadError, check_index_dir
@@ -165,7 +166,7 @@ def _serve(args: argparse.Namespace) -> int:
                         encoder_device=settings.encoder_device,
                         index_device=settings.index_device)
     except (IndexLoadError, DeviceError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"forage retriever serve: error: {exc}", file=sys.stderr)
         return 2
 
     import uvicorn
@@ -189,7 +190,8 @@ def _serve(args: argparse.Namespace) -> int:
     server.run()
     error = app.state.forage.error
     if error:
-        print(f"error: cannot load index {settings.index_dir}: {error}", file=sys.stderr)
+        print(f"forage retriever serve: error: cannot load index {settings.index_dir}: {error}",
+              file=sys.stderr)
         return 1
     return 0
 
@@ -200,7 +202,8 @@ def _wait(args: argparse.Namespace) -> int:
     url = args.url
     if url is None:
         if not args.config:
-            print("error: give --config FILE (retriever.url) or --url", file=sys.stderr)
+            print("forage retriever wait: error: give --config FILE (retriever.url) or --url",
+                  file=sys.stderr)
             return 2
         url = config_from_args(args).retriever.url
     ready = wait_until_ready(url, timeout_s=args.timeout, interval_s=args.interval,

@@ -44,9 +44,11 @@ def probe(url: str, timeout_s: float = 5.0) -> tuple[str | None, str | None]:
 
 
 def wait_until_ready(retrieve_url: str, timeout_s: float = 0.0, interval_s: float = 2.0,
-                     log_every_s: float = 30.0, out: TextIO | None = None) -> bool:
+                     log_every_s: float = 30.0, out: TextIO | None = None,
+                     err: TextIO | None = None) -> bool:
     """Poll the retriever's /healthz until it answers 200 (True) or `timeout_s` passes (False;
-    0 waits for ever), printing what it waits for at most every `log_every_s` seconds."""
+    0 waits for ever), printing what it waits for at most every `log_every_s` seconds to `out`
+    and, when it gives up, `forage retriever wait: error: ...` to `err` (stdout, stderr)."""
     out = out or sys.stdout
     url = healthz_url(retrieve_url)
     start = time.monotonic()
@@ -59,8 +61,8 @@ def wait_until_ready(retrieve_url: str, timeout_s: float = 0.0, interval_s: floa
                   + (f" (index {identity})" if identity else ""), file=out, flush=True)
             return True
         if timeout_s and now - start >= timeout_s:
-            print(f"error: the retriever at {url} is not ready after {now - start:.0f} s "
-                  f"({why})", file=out, flush=True)
+            print(f"forage retriever wait: error: the retriever at {url} is not ready after "
+                  f"{now - start:.0f} s ({why})", file=err or sys.stderr, flush=True)
             return False
         if logged is None or now - logged >= log_every_s:
             print(f"waiting for the retriever at {url} ({why}); {now - start:.0f} s so far",

@@ -85,18 +85,18 @@ def _score(args: argparse.Namespace) -> int:
         ground_truth = parse_ground_truth(args.ground_truth)
         extra = parse_extra_info(args.extra_info)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"forage score: error: {exc}", file=sys.stderr)
         return 2
     solution = sys.stdin.read() if args.solution == "-" else args.solution
     try:
         table = RewardTable(config.scorer.rewards)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"forage score: error: {exc}", file=sys.stderr)
         return 2
     scorer = Scorer(table, pool=None, inner_timeout_s=max(1, int(config.scorer.math_timeout_s)))
     result = scorer.score_one(args.data_source, solution, ground_truth, extra)
     if result.error:
-        print(f"error: {result.error}", file=sys.stderr)
+        print(f"forage score: error: {result.error}", file=sys.stderr)
         return 2
     print(json.dumps({
         "score": None if math.isnan(result.score) else result.score,

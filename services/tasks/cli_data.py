@@ -84,8 +84,9 @@ def _synth(args: argparse.Namespace) -> int:
     protocol = args.protocol or cfg.rollout.protocol
     tools = tuple(cfg.rollout.tools)
     if protocol == "tool_calls" and not all(isinstance(t, str) for t in tools):
-        print("error: tool_calls demonstrations declare built-in tools only; rollout.tools has "
-              f"{[t for t in tools if not isinstance(t, str)]}", file=sys.stderr)
+        others = [t for t in tools if not isinstance(t, str)]
+        print("forage data synth: error: tool_calls demonstrations declare built-in tools "
+              f"only; rollout.tools has {others}", file=sys.stderr)
         return 2
     with result_stdout():  # libraries' prints go to stderr: stdout is the JSON alone
         summary = synthesize(
@@ -141,7 +142,7 @@ def _convert(args: argparse.Namespace) -> int:
     try:
         path = convert(args.fmt, args.input, args.out, args.data_source, args.split)
     except (DatasetError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"forage data convert: error: {exc}", file=sys.stderr)
         return 2
     sources = sorted(data_sources_of(path))
     print(f"wrote {path} (data_source: {', '.join(sources)})")
@@ -161,17 +162,17 @@ def _check(args: argparse.Namespace) -> int:
     try:
         report = check_dataset(args.path, kind=args.kind, rewards=cfg.scorer.rewards)
     except DatasetError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"forage data check: error: {exc}", file=sys.stderr)
         return 2
     if not report.ok:
         if report.problems:
-            print(f"error: {args.path}: {report.rows_with_problems} of {report.rows} "
-                  f"{args.kind} rows are bad", file=sys.stderr)
+            print(f"forage data check: error: {args.path}: {report.rows_with_problems} of "
+                  f"{report.rows} {args.kind} rows are bad", file=sys.stderr)
             for line in report.lines(args.max_rows):
                 print(f"  {line}", file=sys.stderr)
         unknown = report.unknown_sources_line(args.max_rows)
         if unknown:
-            print(f"error: {unknown}", file=sys.stderr)
+            print(f"forage data check: error: {unknown}", file=sys.stderr)
         return 2
     sources = ", ".join(sorted(report.sources))
     described = f"; data sources: {sources}" if sources else ""

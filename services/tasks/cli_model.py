@@ -74,6 +74,10 @@ def _texts_of(cell: Any) -> Iterator[str]:
                 yield str(item.get("content", item.get("text", "")))
 
 
+class NoTaskTexts(ValueError):
+    """DATA holds no text to train the tokenizer on."""
+
+
 def init_policy(data_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
                 preset: str = "tiny", seed: int = 0, vocab_size: int = 2048) -> dict[str, Any]:
     from services.tasks.tiny_policy import build_tiny_policy, build_tokenizer, sample_texts
@@ -85,7 +89,7 @@ def init_policy(data_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str
         whole_words = json.loads(world.read_text()).get("whole_words", [])
     texts = list(task_texts(data))
     if not texts:
-        raise SystemExit(f"error: no task texts found in {data} (corpus.jsonl or *.parquet)")
+        raise NoTaskTexts(f"no task texts found in {data} (corpus.jsonl or *.parquet)")
     texts.extend(sample_texts())  # the tags, countdown and math formats, even if DATA lacks them
     out = Path(out_dir)
     tokenizer_dir = build_tokenizer(texts, out / ".tokenizer", vocab_size=vocab_size,
@@ -99,14 +103,18 @@ def init_policy(data_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str
 
 def _init(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    with result_stdout():  # libraries' prints go to stderr: stdout is the JSON alone
-        info = init_policy(
-            args.data,
-            args.out,
-            preset=args.preset or cfg.model.init_preset,
-            seed=cfg.model.init_seed if args.seed is None else args.seed,
-            vocab_size=args.vocab_size or cfg.model.init_vocab_size,
-        )
+    try:
+        with result_stdout():  # libraries' prints go to stderr: stdout is the JSON alone
+            info = init_policy(
+                args.data,
+                args.out,
+                preset=args.preset or cfg.model.init_preset,
+                seed=cfg.model.init_seed if args.seed is None else args.seed,
+                vocab_size=args.vocab_size or cfg.model.init_vocab_size,
+            )
+    except NoTaskTexts as exc:
+        print(f"forage model init: error: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(info, indent=1))
     return 0
 

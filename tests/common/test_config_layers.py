@@ -148,6 +148,7 @@ def test_forage_up_rejects_an_unknown_algorithm_key_before_starting_anything(
                   f"run_dir={run_dir}", "learner.algorithm.polcy_loss=cispo", timeout=60)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip() == (
-        "error: invalid config: learner.algorithm.polcy_loss: unknown key (did you mean "
-        "learner.algorithm.policy_loss?); on the command line: learner.algorithm.polcy_loss=cispo")
+        "forage up: error: invalid config: learner.algorithm.polcy_loss: unknown key (did you "
+        "mean learner.algorithm.policy_loss?); on the command line: "
+        "learner.algorithm.polcy_loss=cispo")
     assert not run_dir.exists()

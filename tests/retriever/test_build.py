@@ -245,7 +245,8 @@ def test_truncated_or_corrupt_gzip_is_a_one_line_error_naming_the_file(small_cor
     )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
-    [line] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    [line] = [line for line in result.stderr.splitlines()
+              if line.startswith("forage retriever build-index: error:")]
     assert str(truncated) in line and "truncated" in line
     assert not out.exists() and not list(tmp_path.glob(".out.partial*"))
 

@@ -165,7 +165,8 @@ def test_bad_factory_string_is_a_one_line_error(corpus, tmp_path, tools):
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    errors = [line for line in result.stderr.splitlines()
+              if line.startswith("forage retriever build-index: error:")]
     assert len(errors) == 1 and "'IVF4,PQ7'" in errors[0] and "factory" in errors[0], \
         result.stderr
     assert "Traceback" not in result.stderr

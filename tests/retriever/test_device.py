@@ -29,6 +29,10 @@ def _run(tools, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
     return result
 
 
+SERVE_ERROR = "forage retriever serve: error: "
+BUILD_ERROR = "forage retriever build-index: error: "
+
+
 def _error_line(result: subprocess.CompletedProcess) -> str:
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines, "no error on stderr"
@@ -43,7 +47,7 @@ def test_serve_device_cuda_without_gpu_stack_fails_at_start(tools, flat_index, d
                   "--port", str(port))
     assert result.returncode == 2
     line = _error_line(result)
-    assert line.startswith(f"error: retriever.device {device} cannot be used: ")
+    assert line.startswith(f"{SERVE_ERROR}retriever.device {device} cannot be used: ")
     assert "torch" in line and "no CUDA device" in line
     assert "faiss" in line and "no GPU support" in line and "gpu extra" in line
     assert "using CPU" not in result.stderr
@@ -54,14 +58,14 @@ def test_config_device_cuda_fails_like_the_flag(tools, flat_index, tmp_path) -> 
     config.write_text(f"retriever:\n  index_dir: {flat_index}\n  device: cuda\n  port: 0\n")
     result = _run(tools, "serve", "--config", str(config))
     assert result.returncode == 2
-    assert _error_line(result).startswith("error: retriever.device cuda cannot be used: ")
+    assert _error_line(result).startswith(SERVE_ERROR + "retriever.device cuda cannot be used: ")
 
 
 def test_unknown_device_is_named(tools, flat_index) -> None:
     result = _run(tools, "serve", "--index", str(flat_index), "--device", "gpu")
     assert result.returncode == 2
     assert _error_line(result) == (
-        "error: retriever.device: unknown device 'gpu' (use cpu, cuda or cuda:N)")
+        SERVE_ERROR + "retriever.device: unknown device 'gpu' (use cpu, cuda or cuda:N)")
 
 
 def test_build_index_device_cuda_fails_before_reading_the_corpus(tools, corpus, tmp_path) -> None:
@@ -70,7 +74,7 @@ def test_build_index_device_cuda_fails_before_reading_the_corpus(tools, corpus, 
                   "--device", "cuda", "--no-progress")
     assert result.returncode == 2
     line = _error_line(result)
-    assert line.startswith("error: --device cuda cannot be used: ") and "torch" in line
+    assert line.startswith(BUILD_ERROR + "--device cuda cannot be used: ") and "torch" in line
     assert not out.exists()
 
 

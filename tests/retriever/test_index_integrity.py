@@ -58,7 +58,8 @@ def test_a_same_size_corrupt_offsets_file_is_refused_at_load(bm25_index, tmp_pat
                              "--port", str(tools.free_port())],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
-    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    lines = [line for line in result.stderr.splitlines()
+             if line.startswith("forage retriever serve: error:")]
     assert len(lines) == 1 and "docs.offsets.npy" in lines[0] and "checksum" in lines[0]
     assert "Traceback" not in result.stderr
 

@@ -111,5 +111,6 @@ def test_serve_refuses_a_cuda_index_device_on_faiss_cpu(tools, flat_index, tmp_p
                             capture_output=True, text=True, timeout=90, env=env)
     assert result.returncode == 2
     line = [line for line in result.stderr.splitlines() if line.strip()][-1]
-    assert line.startswith("error: retriever.index_device cuda:all cannot be used: faiss ")
+    assert line.startswith(
+        "forage retriever serve: error: retriever.index_device cuda:all cannot be used: faiss ")
     assert "no GPU support" in line and "Traceback" not in result.stderr

@@ -25,7 +25,8 @@ def test_wait_gives_up_after_its_timeout_and_says_what_it_waited_for():
     assert res.returncode == 1, res.stdout + res.stderr
     lines = res.stdout.splitlines()
     assert lines[0].startswith(f"waiting for the retriever at {url[:-len('retrieve')]}healthz")
-    assert lines[-1].startswith("error: the retriever at ") and "not ready after" in lines[-1]
+    assert res.stderr.startswith("forage retriever wait: error: the retriever at ")
+    assert "not ready after" in res.stderr
 
 
 def test_wait_without_an_address_is_a_usage_error():

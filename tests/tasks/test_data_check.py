@@ -65,13 +65,13 @@ def test_cli_lists_every_problem_and_exits_2(messy: Path) -> None:
     done = forage("data", "check", str(messy))
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
-    assert lines[0] == f"error: {messy}: 5 of 12 rl rows are bad"
+    assert lines[0] == f"forage data check: error: {messy}: 5 of 12 rl rows are bad"
     assert "  2 rows 1, 4: column 'prompt' is empty" in lines
     assert "  2 rows 2, 3: empty target in reward_model.ground_truth: no answer can match it " \
            "(reward always 0)" in lines
     assert "  row 6: column 'reward_model' must be a map with a 'ground_truth' key" in lines
     last = lines[-1]
-    assert last.startswith(f"error: {messy}: no reward function for data_sources 'mystery', "
+    assert last.startswith(f"forage data check: error: {messy}: no reward function for data_sources 'mystery', "
                            "'webq'; known: ")
     assert last.endswith("; 'mystery': 2 rows 7, 9; 'webq': row 10")
     short = forage("data", "check", str(messy), "--max-rows", "1")

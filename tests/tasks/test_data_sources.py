@@ -177,7 +177,7 @@ def test_cli_check_rejects_a_source_without_a_reward(tmp_path):
     done = forage("data", "check", str(path))
     assert done.returncode == 2
     line = one_line(done.stderr)
-    assert f"error: {path}: no reward function for data_source 'mystery'; known: " in line
+    assert f"forage data check: error: {path}: no reward function for data_source 'mystery'; known: " in line
     assert "'nq'" not in line and "hotpotqa" in line
     # A run that adds the source under scorer.rewards accepts it.
     config = tmp_path / "run.yaml"
