@@ -22,8 +22,14 @@ def metrics_app(registry: CollectorRegistry = REGISTRY):
     return make_asgi_app(registry=registry)
 
 
+# The header naming the service on its /healthz answer, so `forage up` can tell its own child
+# from another process that holds the port (services/launch/supervisor.py).
+SERVICE_HEADER = "X-Forage-Service"
+
+
 class MetricsServer:
-    """/metrics and /healthz on a daemon thread; `port=0` picks a free port (see `.port`)."""
+    """/metrics and /healthz on a daemon thread; `port=0` picks a free port (see `.port`).
+    `service` names the service in /healthz's X-Forage-Service header ("" leaves it out)."""
 
     def __init__(
         self,
@@ -31,6 +37,7 @@ class MetricsServer:
         host: str = "127.0.0.1",
         healthy: Callable[[], bool] = lambda: True,
         registry: CollectorRegistry = REGISTRY,
+        service: str = "",
     ) -> None:
         self._healthy = healthy
         self._registry = registry
@@ -49,6 +56,8 @@ class MetricsServer:
                     body, status, ctype = b"not found\n", 404, "text/plain"
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
+                if service and path == "/healthz":
+                    self.send_header(SERVICE_HEADER, service)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -76,6 +85,7 @@ class MetricsServer:
 
 
 def start_metrics_server(
-    port: int = 0, host: str = "127.0.0.1", healthy: Callable[[], bool] = lambda: True
+    port: int = 0, host: str = "127.0.0.1", healthy: Callable[[], bool] = lambda: True,
+    service: str = "",
 ) -> MetricsServer:
-    return MetricsServer(port=port, host=host, healthy=healthy).start()
+    return MetricsServer(port=port, host=host, healthy=healthy, service=service).start()

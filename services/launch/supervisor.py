@@ -12,6 +12,7 @@ the current pid of each, rewritten on every (re)start, for tools and fault drill
 from __future__ import annotations
 
 import ctypes
+import http.client
 import json
 import logging
 import os
@@ -19,15 +20,22 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.metrics import SERVICE_HEADER as HEALTH_HEADER
+
 log = logging.getLogger("forage.launch")
 
 PR_SET_PDEATHSIG = 1
 USAGE_ERROR = 2  # the exit code of every `forage` command for a bad config or argument
+# Consecutive replies cut off before any byte (closed or reset) that make a port "not HTTP":
+# one could be the child's own server going down, which the next poll sees as its exit.
+CUT_OFF_STRIKES = 3
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -48,6 +56,10 @@ class ServiceSpec:
     name: str
     argv: list[str]
     health_url: str | None = None  # GET answering 200 once the service is ready
+    # What the service's /healthz names itself in its X-Forage-Service header (HEALTH_HEADER):
+    # an answer naming anything else comes from another process on that port. None: any HTTP
+    # answer counts.
+    health_name: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     # On an unexpected exit: restart (up to max_restarts), with these extra args (e.g. --resume).
     restart: bool = True
@@ -133,23 +145,61 @@ class Supervisor:
     # ----------------------------------------------------------------- health
 
     def wait_healthy(self, name: str, timeout_s: float = 180.0) -> None:
+        """Poll the child's health URL until it answers 200 as the child (`health_name`).
+        ServiceFailed when the child exits, when the port answers in another protocol or as
+        another service (one line naming the port), or after `timeout_s`."""
         child = self.children[name]
         url = child.spec.health_url
         deadline = time.monotonic() + timeout_s
+        cut_off = 0
         while time.monotonic() < deadline:
             if child.process.poll() is not None:
                 raise ServiceFailed(self._exit_message(name))
             if url is None:
                 return
             try:
-                with urllib.request.urlopen(url, timeout=2) as reply:
-                    if reply.status == 200:
-                        return
-            except OSError:
-                pass
+                if self._probe(child.spec, url):
+                    return
+                cut_off = 0
+            except (http.client.RemoteDisconnected, ConnectionResetError) as exc:
+                cut_off += 1
+                if cut_off >= CUT_OFF_STRIKES and child.process.poll() is None:
+                    raise ServiceFailed(self._not_ours(
+                        name, url, f"not HTTP: the connection was cut off before any reply "
+                        f"({type(exc).__name__}, {cut_off} times)")) from None
+            except http.client.HTTPException as exc:  # BadStatusLine, LineTooLong, ...
+                if child.process.poll() is None:
+                    raise ServiceFailed(self._not_ours(
+                        name, url, f"not HTTP ({type(exc).__name__}: {_excerpt(exc)}; an "
+                        "HTTP/2 or gRPC server answers so)")) from None
+            except OSError:  # refused (not listening yet), timed out
+                cut_off = 0
             time.sleep(0.25)
         raise ServiceFailed(f"{name} not healthy at {url} after {timeout_s:.0f}s; "
                             f"see {self.log_path(name)}")
+
+    def _probe(self, spec: ServiceSpec, url: str) -> bool:
+        """One GET of the health URL: True on 200, False on another status of the service
+        itself (503 while loading); ServiceFailed when another service answers."""
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                status, headers = reply.status, reply.headers
+        except urllib.error.HTTPError as exc:  # an HTTP answer, just not 2xx
+            status, headers = exc.code, exc.headers
+            exc.close()
+        if spec.health_name is not None:
+            answered = headers.get(HEALTH_HEADER) if headers is not None else None
+            if answered != spec.health_name:
+                who = (f"{answered} answered ({HEALTH_HEADER})" if answered else
+                       f"HTTP {status} without {HEALTH_HEADER}, so not a Forage service")
+                raise ServiceFailed(self._not_ours(spec.name, url, who))
+        return status == 200
+
+    def _not_ours(self, name: str, url: str, what: str) -> str:
+        port = urllib.parse.urlsplit(url).port
+        return (f"{name}: port {port} is not {name}'s: GET {url} got {what}; another process "
+                f"listens there (free the port or set another in the config); "
+                f"see {self.log_path(name)}")
 
     def check(self, on_restart: Callable[[str], None] | None = None) -> dict[str, int]:
         """Restart children that exited unexpectedly; returns {name: code} of those that
@@ -194,3 +244,10 @@ class Supervisor:
         tmp = self.run_dir / ".services.json.tmp"
         tmp.write_text(json.dumps(body, indent=1))
         os.replace(tmp, self.run_dir / "services.json")
+
+
+def _excerpt(exc: BaseException, limit: int = 40) -> str:
+    """The start of what a non-HTTP peer sent (BadStatusLine's line), as one printable line."""
+    line = getattr(exc, "line", None)
+    text = line if isinstance(line, str) else str(exc)
+    return ascii(text[:limit]) + ("..." if len(text) > limit else "")

@@ -8,7 +8,9 @@ rest are then stopped. A child that crashes is restarted (the learner with `--re
 or SIGTERM stops the learner first (it checkpoints), then the others; nothing is left running.
 
 Every child reads the same resolved config, `RUN_DIR/config.yaml`: ports that were 0 ("any")
-are fixed to free ones and the Redis URL is filled in, so all services agree on addresses.
+are fixed to free ones and the Redis URL is filled in, so all services agree on addresses. The
+ports come from one PortAllocator (services/common/ports.py): no two keys get the same port, and
+each stays held by the launcher until just before the child that listens there starts.
 """
 
 from __future__ import annotations
@@ -24,34 +26,49 @@ from typing import Any
 import yaml
 
 from services.common.config import RunConfig
-from services.common.ports import free_port
+from services.common.ports import PortAllocator
 from services.common.threads import child_environ
 from services.launch.supervisor import ServiceFailed, ServiceSpec, Supervisor, forage_argv
 
 log = logging.getLogger("forage.launch")
 
 
-def resolve_config(cfg: RunConfig, redis_url: str, rollouts: int) -> tuple[RunConfig, list[int]]:
+def resolve_config(cfg: RunConfig, redis_url: str, rollouts: int,
+                   allocator: PortAllocator | None = None) -> tuple[RunConfig, list[int]]:
     """The config every child reads: Redis URL filled in, "any" ports fixed; also one metrics
-    port per rollout replica (each replica gets its own via --set)."""
+    port per rollout replica (each replica gets its own via --set). The ports come from
+    `allocator`, which keeps holding them (the caller releases each before its child starts);
+    without one, they are still distinct but released on return."""
+    if allocator is None:
+        with PortAllocator() as own:
+            return resolve_config(cfg, redis_url, rollouts, own)
     raw: dict[str, Any] = cfg.model_dump(mode="json")
     raw["redis"]["url"] = redis_url
     retriever = raw["retriever"]
     if retriever.get("index_dir"):
         if not retriever["port"]:
-            retriever["port"] = free_port()
+            retriever["port"] = allocator.take()
         host = "127.0.0.1" if retriever["host"] in ("0.0.0.0", "") else retriever["host"]
         retriever["url"] = f"http://{host}:{retriever['port']}/retrieve"
     learner = raw["learner"]
     for key in ("weight_sync_port", "metrics_port"):
         if not learner[key]:
-            learner[key] = free_port()
+            learner[key] = allocator.take()
     scorer = raw["scorer"]
     for key in ("port", "metrics_port"):
         if not scorer[key]:
-            scorer[key] = free_port()
-    ports = [free_port() for _ in range(rollouts)]
+            scorer[key] = allocator.take()
+    ports = [allocator.take() for _ in range(rollouts)]
     return RunConfig.model_validate(raw), ports
+
+
+def listen_ports(cfg: RunConfig, rollout_ports: list[int]) -> dict[str, list[int]]:
+    """The ports each child of `service_specs` listens on, by name."""
+    found = {"retriever": [cfg.retriever.port],
+             "learner": [cfg.learner.weight_sync_port, cfg.learner.metrics_port],
+             "scorer": [cfg.scorer.port, cfg.scorer.metrics_port]}
+    found.update({f"rollout-{index}": [port] for index, port in enumerate(rollout_ports)})
+    return found
 
 
 def children_share(rollouts: int, retriever: bool = True) -> int:
@@ -74,22 +91,23 @@ def service_specs(cfg: RunConfig, config_path: Path, rollout_ports: list[int]) -
     if cfg.retriever.index_dir:
         host = "127.0.0.1" if cfg.retriever.host in ("0.0.0.0", "") else cfg.retriever.host
         specs.append(ServiceSpec("retriever", forage_argv("retriever", "serve", *conf),
-                                 health_url=f"http://{host}:{cfg.retriever.port}/healthz"))
+                                 health_url=f"http://{host}:{cfg.retriever.port}/healthz",
+                                 health_name="retriever"))
     specs.append(ServiceSpec(
         "learner", forage_argv("learner", "train", *conf),
-        health_url=f"http://127.0.0.1:{cfg.learner.metrics_port}/healthz",
+        health_url=f"http://127.0.0.1:{cfg.learner.metrics_port}/healthz", health_name="learner",
         restart_args=["--resume"], stop_timeout_s=120.0,
     ))
     specs.append(ServiceSpec(
         "scorer", forage_argv("scorer", "serve", *conf),
-        health_url=f"http://127.0.0.1:{cfg.scorer.metrics_port}/healthz",
+        health_url=f"http://127.0.0.1:{cfg.scorer.metrics_port}/healthz", health_name="scorer",
     ))
     for index, port in enumerate(rollout_ports):
         name = f"rollout-{index}"
         specs.append(ServiceSpec(
             name, forage_argv("rollout", "serve", *conf, "--set", f"rollout.name={name}",
                               "--set", f"rollout.metrics_port={port}"),
-            health_url=f"http://127.0.0.1:{port}/healthz",
+            health_url=f"http://127.0.0.1:{port}/healthz", health_name=name,
         ))
     return specs
 
@@ -118,7 +136,8 @@ def run_up(
     redis_server = ensure_redis(cfg.redis.url, allow_embedded=cfg.redis.embedded)
     if redis_server.embedded:
         log.info("started an embedded Redis at %s for this run", redis_server.url)
-    resolved, ports = resolve_config(cfg, redis_server.url, rollouts)
+    allocator = PortAllocator()
+    resolved, ports = resolve_config(cfg, redis_server.url, rollouts, allocator)
     config_path = write_config(resolved, run_dir / "config.yaml")
     # Several CPU-bound services share the cores: one OpenMP pool each of the default size
     # oversubscribes them badly (measured ~5x slower steps on 2 cores), so each child gets
@@ -136,8 +155,10 @@ def run_up(
     code = 1
     try:
         specs = service_specs(resolved, config_path, ports)
+        held = listen_ports(resolved, ports)
         first = {"retriever", "learner"}  # the others need them up before they start
         for spec in specs:
+            allocator.release(*held.get(spec.name, []))  # its ports, unbound just for it
             supervisor.start(spec)
             if spec.name in first:
                 supervisor.wait_healthy(spec.name, timeout_s=300)
@@ -163,6 +184,7 @@ def run_up(
         log.error("%s", exc)
         code = 1
     finally:
+        allocator.close()
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_int)
         supervisor.stop_all(first=["learner"])

@@ -320,7 +320,8 @@ class LearnerLoop:
             learner.host, learner.weight_sync_port, **server_kwargs(learner),
         ).start()
         self.metrics_server = start_metrics_server(learner.metrics_port, host=learner.host,
-                                                   healthy=lambda: not self.stopping)
+                                                   healthy=lambda: not self.stopping,
+                                                   service="learner")
         log.info("weights on %s, metrics on port %d, checkpoints in %s", self.server.address,
                  self.metrics_server.port, self.ckpt_dir)
 
@@ -418,7 +419,7 @@ class LearnerLoop:
         from services.common.metrics import MetricsServer
 
         server = MetricsServer(self.learner.metrics_port, host=self.learner.host,
-                               registry=CollectorRegistry()).start()
+                               registry=CollectorRegistry(), service="learner").start()
         log.info("rank %d: this node's /healthz on port %d", self.rank, server.port)
         return server
 

@@ -31,6 +31,7 @@ from pydantic import BaseModel, Field, StringConstraints, create_model
 
 from services.common.config.retriever import RetrieverSection
 from services.common.http_limits import BodyLimit
+from services.common.metrics import SERVICE_HEADER
 from services.common.retrieval_store import served_fields
 from services.common.threads import (
     process_threads,
@@ -396,14 +397,16 @@ def create_app(index_dir: str | Path, settings: RetrieverSection, device: str | 
         return served
 
     @app.get("/healthz")
-    async def healthz():
+    async def healthz(response: Response):
+        response.headers[SERVICE_HEADER] = "retriever"  # whose port this is (forage up checks)
         if state.ready.is_set():
             return {"status": "ok", "docs": len(state.searcher),
                     "index_type": state.searcher.index_type, **identity(),
                     "threads": threads_in_use(),
                     "query_dtype": query_dtype if state.searcher.encoder is not None else None}
         detail = state.error or "loading"
-        return JSONResponse({"status": detail}, status_code=503)
+        return JSONResponse({"status": detail}, status_code=503,
+                            headers={SERVICE_HEADER: "retriever"})
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics():

@@ -162,7 +162,7 @@ class RolloutWorker:
         signal.signal(signal.SIGINT, self._on_signal)
         server = start_metrics_server(self.config.rollout.metrics_port,
                                       host=self.config.rollout.host,
-                                      healthy=lambda: not self.stopping)
+                                      healthy=lambda: not self.stopping, service=self.name)
         log.info("replica %s: metrics on %s:%d", self.name, server.host, server.port)
         self._streams = RedisStreams.from_config(self.config.redis)
         self._redis = redis.Redis.from_url(self._redis_url())

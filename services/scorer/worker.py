@@ -356,7 +356,8 @@ def serve(config: RunConfig) -> int:
     worker = ScorerWorker(config, scorer, tokenizer, streams)
     signal.signal(signal.SIGTERM, worker.stop)
     signal.signal(signal.SIGINT, worker.stop)
-    metrics_server = start_metrics_server(config.scorer.metrics_port, host=config.scorer.host)
+    metrics_server = start_metrics_server(config.scorer.metrics_port, host=config.scorer.host,
+                                          service="scorer")
     log_.info("metrics on http://%s:%d/metrics", metrics_server.host, metrics_server.port)
     http = None
     if config.scorer.http:

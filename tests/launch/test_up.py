@@ -39,3 +39,32 @@ def test_children_share_counts_only_the_services_that_run() -> None:
     assert children_share(1) == 4  # retriever, learner, scorer, one replica
     assert children_share(2, retriever=False) == 4
     assert children_share(1, retriever=False) == 3
+
+
+def test_one_launch_never_hands_the_same_port_to_two_keys(tmp_path, monkeypatch) -> None:
+    """Every port `forage up` fixes is distinct, even when the random draw repeats itself:
+    here each candidate comes up twice in a row, which gave two keys one port (and the
+    scorer's /healthz poll then read the learner's gRPC listener)."""
+    from services.common import ports
+    from services.common.config import RunConfig
+    from services.launch.up import resolve_config
+
+    pool: list[int] = []
+    while len(pool) < 8:
+        port = ports.free_port()
+        if port not in pool:
+            pool.append(port)
+    draws = iter([port for port in pool for _ in range(2)] * 4)
+    monkeypatch.setattr(ports.random, "randrange", lambda low, high: next(draws))
+    cfg = RunConfig.model_validate({
+        "run_dir": str(tmp_path / "run"),
+        "retriever": {"index_dir": str(tmp_path / "index"), "port": 0},
+        "learner": {"weight_sync_port": 0, "metrics_port": 0},
+        "scorer": {"port": 0, "metrics_port": 0},
+    })
+    resolved, rollout_ports = resolve_config(cfg, "redis://127.0.0.1:6379/0", 3)
+    chosen = [resolved.retriever.port, resolved.learner.weight_sync_port,
+              resolved.learner.metrics_port, resolved.scorer.port,
+              resolved.scorer.metrics_port, *rollout_ports]
+    assert len(set(chosen)) == len(chosen), chosen
+    assert set(chosen) <= set(pool)  # still the drawn ports below the ephemeral range

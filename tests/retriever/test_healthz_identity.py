@@ -34,7 +34,9 @@ def cache_config(url: str, mode: str, path: Path, index: str = ""):
 
 
 def test_healthz_reports_the_identity_the_store_keys_on(server, flat_index):
-    health = httpx.get(f"{server}/healthz", timeout=10).json()
+    reply = httpx.get(f"{server}/healthz", timeout=10)
+    assert reply.headers["X-Forage-Service"] == "retriever"  # what `forage up` checks
+    health = reply.json()
     manifest = manifest_of(flat_index)
     assert health["index_id"] == index_identity(manifest)
     assert health["search_settings"] == search_settings(manifest)
