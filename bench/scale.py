@@ -300,13 +300,15 @@ def run_one(out: Path, n: int, s: Settings, redis_client: Any, redis_url: str, t
     import psutil
 
     from services.launch.supervisor import forage_argv
-    from services.launch.up import write_config
+    from services.launch.up import secrets_environ, write_config
 
     cfg = run_config(out, n, s, redis_url, train, model, args.overrides)
     run_dir = Path(cfg.run_dir)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     config_path = write_config(cfg, run_dir / "config.yaml")
-    env = dict(os.environ, PYTHONPATH=str(REPO), FORAGE_THREADS="1", REDIS_URL=redis_url)
+    # config.yaml has its secrets redacted: the services get them in the environment
+    env = dict(os.environ, PYTHONPATH=str(REPO), FORAGE_THREADS="1", REDIS_URL=redis_url,
+               **secrets_environ(cfg))
     here = [sys.executable, str(Path(__file__).resolve())]
     common = ["--config", str(config_path)]
     specs: list[tuple[str, list[str]]] = []

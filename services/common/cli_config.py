@@ -3,6 +3,8 @@
 What every service of the run would read after the files are merged and the overrides applied
 (Hydra's `--cfg job`), validated: a bad key exits 2 with the error naming it and its source.
 `--sources` adds, per key set by a file, an override or the environment, where it came from.
+Secrets are shown as `***` (tokens, passwords, header values, a URL's password:
+services/common/redact.py).
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 def _show(args: argparse.Namespace) -> int:
     from services.common.config import load_config_layers
+    from services.common.redact import redact
 
     cfg = config_from_args(args)
-    print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+    print(yaml.safe_dump(redact(cfg.model_dump(mode="json")), sort_keys=False), end="")
     if args.sources:
         print("# sources:")
         for key, source in load_config_layers(args.config, args.overrides).items():

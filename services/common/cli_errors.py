@@ -64,11 +64,14 @@ def expected_failure(exc: BaseException) -> Failure | None:
 
 def report_failure(group: str, exc: BaseException) -> int:
     """Print what `exc` means for the user of `forage GROUP`; returns the exit code."""
+    from services.common.redact import redact_text
+
     failure = expected_failure(exc)
     if failure is not None:
-        print(f"forage {group}: error: {failure.message}", file=sys.stderr)
+        print(f"forage {group}: error: {redact_text(failure.message)}", file=sys.stderr)
         return failure.code
-    traceback.print_exception(exc, file=sys.stderr)
+    # A URL's password in an exception's message (redis-py, httpx) is not printed.
+    print(redact_text("".join(traceback.format_exception(exc))), end="", file=sys.stderr)
     print(f"forage {group}: internal error ({type(exc).__name__}); this is a bug in Forage: "
           "please report it with the traceback above", file=sys.stderr)
     return 1

@@ -1,8 +1,10 @@
 """Structured logs: every line names the service, the run and the current policy version.
 
 One JSON object per line when FORAGE_LOG_FORMAT=json (for log shippers), a readable single
-line otherwise. The policy version is process state that the service updates when it loads or
-publishes weights, so every later line carries it without threading it through calls.
+line otherwise; in either, a URL's password (and a secret query parameter) shows as `***`
+(services/common/redact.py). The policy version is process state that the service updates
+when it loads or publishes weights, so every later line carries it without threading it
+through calls.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import logging
 import os
 import sys
 import time
+
+from services.common.redact import redact_text
 
 _context: dict[str, object] = {"service": "forage", "run_id": "-", "policy_version": 0}
 
@@ -34,12 +38,17 @@ class _JsonFormatter(logging.Formatter):
             "ts": round(record.created, 3),
             "level": record.levelname,
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": redact_text(record.getMessage()),
         }
         body.update({key: getattr(record, key, None) for key in _context})
         if record.exc_info:
-            body["exc"] = self.formatException(record.exc_info)
+            body["exc"] = redact_text(self.formatException(record.exc_info))
         return json.dumps(body, default=str)
+
+
+class _TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return redact_text(super().format(record))
 
 
 _TEXT_FORMAT = (
@@ -61,7 +70,7 @@ def setup_logging(service: str, run_id: str = "-", level: str | int = "INFO") ->
     if os.environ.get("FORAGE_LOG_FORMAT", "text") == "json":
         handler.setFormatter(_JsonFormatter())
     else:
-        formatter = logging.Formatter(_TEXT_FORMAT, "%Y-%m-%dT%H:%M:%S")
+        formatter = _TextFormatter(_TEXT_FORMAT, "%Y-%m-%dT%H:%M:%S")
         formatter.converter = time.gmtime
         handler.setFormatter(formatter)
     root.addHandler(handler)

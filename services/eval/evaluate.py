@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.common.redact import redact_text, redact_url
 from services.eval import report
 from services.eval.data import load_questions
 from services.eval.evidence import donors
@@ -315,7 +316,8 @@ def _run_on_replicas(request: EvalRequest, questions: list[Any],
             player.play_row(row, todo, len(questions), settings, tokenizer, writer.write)
             player.close()  # only once every question is written: a rerun needs it otherwise
         except redis.RedisError as exc:  # retried by the streams library first
-            raise ReplicaError(f"Redis at {target.url} failed ({type(exc).__name__}: {exc}); "
+            raise ReplicaError(f"Redis at {redact_url(target.url)} failed "
+                               f"({type(exc).__name__}: {redact_text(str(exc))}); "
                                "finished questions are kept, so running the same command "
                                "again goes on from here") from None
         finally:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from services.common.codec import CodecError, decode_as, encode
+from services.common.redact import redact_text, redact_url
 from services.common.trajectory import PromptGroup, Trajectory
 from services.eval.data import Question
 from services.eval.prompts import tool_agent_prompt
@@ -89,11 +90,11 @@ def connect(target: Target) -> Any:
         streams = RedisStreams.from_config(config.redis)
         streams.client.ping()
     except RedisUnavailable:
-        raise ReplicaError(f"--redis {target.url} does not answer: name the Redis the "
-                           "replicas use (--redis URL, or REDIS_URL)") from None
+        raise ReplicaError(f"--redis {redact_url(target.url)} does not answer: name the Redis "
+                           "the replicas use (--redis URL, or REDIS_URL)") from None
     except (redis.RedisError, OSError) as exc:
-        raise ReplicaError(f"--redis {target.url} does not answer ({type(exc).__name__}: "
-                           f"{exc})") from None
+        raise ReplicaError(f"--redis {redact_url(target.url)} does not answer "
+                           f"({type(exc).__name__}: {redact_text(str(exc))})") from None
     return streams
 
 
@@ -121,7 +122,8 @@ def wait_for_replicas(client: Any, target: Target) -> list[dict[str, Any]]:
             return beats
         if time.monotonic() >= deadline:
             raise ReplicaError(
-                f"no rollout replica serves namespace {target.namespace!r} at {target.url}: no "
+                f"no rollout replica serves namespace {target.namespace!r} at "
+                f"{redact_url(target.url)}: no "
                 f"heartbeat ({target.namespace}:heartbeat:rollout:*) within "
                 f"{target.timeout_s:g}s; start one (`forage rollout serve --config FILE --set "
                 f"redis.namespace={target.namespace}`) or check --redis and --namespace")

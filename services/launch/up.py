@@ -15,6 +15,7 @@ each stays held by the launcher until just before the child that listens there s
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -25,8 +26,9 @@ from typing import Any
 
 import yaml
 
-from services.common.config import RunConfig
+from services.common.config import SECRETS_VARIABLE, RunConfig
 from services.common.ports import PortAllocator
+from services.common.redact import redact, secret_leaves
 from services.common.threads import child_environ
 from services.launch.supervisor import ServiceFailed, ServiceSpec, Supervisor, forage_argv
 
@@ -79,9 +81,20 @@ def children_share(rollouts: int, retriever: bool = True) -> int:
 
 
 def write_config(cfg: RunConfig, path: Path) -> Path:
+    """Write the config every child reads, its secrets as `***` (tokens, passwords, header
+    values, a URL's password: services/common/redact.py); children get the real values from
+    `secrets_environ` in their environment."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    path.write_text(yaml.safe_dump(redact(cfg.model_dump(mode="json")), sort_keys=False))
     return path
+
+
+def secrets_environ(cfg: RunConfig) -> dict[str, str]:
+    """The environment a child needs to read `write_config`'s file with the real secrets:
+    FORAGE_CONFIG_SECRETS, the hidden values by path (none when nothing was hidden)."""
+    leaves = secret_leaves(cfg.model_dump(mode="json"))
+    return {SECRETS_VARIABLE: json.dumps([[list(path), value] for path, value in leaves])
+            } if leaves else {}
 
 
 def service_specs(cfg: RunConfig, config_path: Path, rollout_ports: list[int]) -> list[ServiceSpec]:
@@ -146,6 +159,8 @@ def run_up(
     env = child_environ(os.environ, share=children_share(rollouts,
                                                          retriever=bool(cfg.retriever.index_dir)))
     env["REDIS_URL"] = redis_server.url
+    env.pop(SECRETS_VARIABLE, None)  # config.yaml has its secrets redacted: they go here
+    env.update(secrets_environ(resolved))
     supervisor = Supervisor(run_dir, env=env)
     previous = signal.signal(signal.SIGTERM, _raise_stop)
     # Ctrl-C too, explicitly: a process started in the background by a non-interactive shell

@@ -22,6 +22,8 @@ from typing import Any
 
 import httpx
 
+from services.common.redact import redact_text, redact_url
+
 # A query not answered: shared with the recorded-results store (services/common).
 from services.common.retrieval_store import QueryFailed, QueryRejected
 from services.rollout import metrics
@@ -127,13 +129,13 @@ class RetrieverClient:
                 if status in CONTENT_STATUSES:
                     detail = _detail(response)
                     if detail.startswith(REQUEST_FIELDS):
-                        raise RetrieverError(f"retriever at {self.url} refused the request: "
-                                             f"HTTP {status}: {detail}")
+                        raise RetrieverError(f"retriever at {redact_url(self.url)} refused "
+                                             f"the request: HTTP {status}: {detail}")
                     return status, detail
                 if 400 <= status < 500 and status not in TRANSIENT_STATUSES:
                     # Not about the queries (wrong URL, auth): no query can be answered.
-                    raise RetrieverError(f"retriever at {self.url} refused the request: "
-                                         f"HTTP {status}: {response.text[:200]}")
+                    raise RetrieverError(f"retriever at {redact_url(self.url)} refused the "
+                                         f"request: HTTP {status}: {response.text[:200]}")
                 if status != 200:
                     raise _Retry(f"HTTP {status}: {response.text[:200]}")
                 result = response.json()["result"]
@@ -143,12 +145,13 @@ class RetrieverClient:
             except _Retry as exc:
                 last_error = str(exc)
             except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-                last_error = f"{type(exc).__name__}: {exc}"
+                last_error = f"{type(exc).__name__}: {redact_text(str(exc))}"
             metrics.RETRIEVER_ERRORS.inc()
             log.warning("retrieve attempt %d/%d failed: %s", attempt + 1, self.retries + 1,
                         last_error)
         raise RetrieverError(
-            f"retriever at {self.url} failed after {self.retries + 1} attempts: {last_error}"
+            f"retriever at {redact_url(self.url)} failed after {self.retries + 1} attempts: "
+            f"{last_error}"
         )
 
     def close(self) -> None:

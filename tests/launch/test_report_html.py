@@ -181,7 +181,7 @@ def test_report_writes_every_plot_and_the_page(tmp_path, tiny_policy_dir):
     assert "n=140" in page and "html-test | grpo" in page
     assert "<script>" not in page and "&lt;script&gt;x()&lt;/script&gt;" in page  # escaped
     assert "Mekar Stebrul" in page and "adv_estimator: grpo" in page
-    assert "hunter2" not in page and "redis://***@127.0.0.1" in page  # a shareable page
+    assert "hunter2" not in page and "redis://:***@127.0.0.1" in page  # a shareable page
     assert "quick-note" not in page
     wall = write_report(run, tmp_path / "wall", x_axis="wall", smoothing=0.0)
     assert (tmp_path / "wall" / "reward_em.png").stat().st_size > 10_000

@@ -102,12 +102,13 @@ def test_pure_helpers():
     assert "[1] search: Ada  -> 7 Ada Vel" in row["turns"]
     assert json.loads(row["ground_truth"]) == {"target": ["Pigir"]}
     assert redact({"a": {"weight_sync_token": "x", "n": 1}, "u": ["redis://u:p@h/0"]}) == \
-        {"a": {"weight_sync_token": "***", "n": 1}, "u": ["redis://***@h/0"]}
+        {"a": {"weight_sync_token": "***", "n": 1}, "u": ["redis://u:***@h/0"]}
     assert redact({"weight_sync_token": None}) == {"weight_sync_token": None}
     server = {"name": "kb", "url": "http://kb:8000/mcp",
               "headers": {"Authorization": "Bearer literal-secret", "X-Tenant": "t1"}}
     assert redact({"rollout": {"mcp_servers": [server]}}) == {"rollout": {"mcp_servers": [
-        {"name": "kb", "url": "http://kb:8000/mcp", "headers": "***"}]}}
+        {"name": "kb", "url": "http://kb:8000/mcp",
+         "headers": {"Authorization": "***", "X-Tenant": "***"}}]}}
 
 
 def test_every_tracker_writes_real_files_and_resume_continues(tmp_path, caplog):
@@ -160,7 +161,7 @@ def test_every_tracker_writes_real_files_and_resume_continues(tmp_path, caplog):
     assert run.data.params["learner.lr"] == "1e-05"
     # secrets never leave the run: the token and the Redis password are redacted
     assert run.data.params["learner.weight_sync_token"] == "***"
-    assert run.data.params["redis.url"] == "redis://***@10.0.0.5:6379/0"
+    assert run.data.params["redis.url"] == "redis://:***@10.0.0.5:6379/0"
     assert not any("s3cret" in v or "hunter2" in v for v in run.data.params.values())
     assert run.info.run_name == "tracked" and run.info.status == "FINISHED"
     [artifact] = client.list_artifacts(run_id, "samples")

@@ -9,6 +9,7 @@ service package types, such as `learner.algorithm`, are checked at load too (sub
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -44,6 +45,15 @@ from services.common.config.subsections import (
     subsection_problems,
 )
 from services.common.config.yaml_input import read_yaml_file
+from services.common.redact import (
+    PLACEHOLDER,
+    dotted,
+    is_secret_key,
+    placeholders,
+    redact_text,
+    restore,
+    scrub,
+)
 
 __all__ = [
     "ConfigError",
@@ -98,18 +108,23 @@ def load_config(
 
     `REDIS_URL` in the environment replaces `redis.url`, and `FORAGE_WEIGHT_SYNC_TOKEN`
     `learner.weight_sync_token`, unless an override sets that key explicitly.
+
+    A secret that was redacted when the config was saved (`***`, services/common/redact.py:
+    a run's config.yaml) is an error naming the key and where to pass it again, unless
+    FORAGE_CONFIG_SECRETS (set by `forage up` for its children) holds its real value. No
+    error message shows a secret of the config.
     """
     layered = _layers(path, overrides, os.environ if environ is None else environ)
-    problems: list[str] = []
+    problems = _redacted_problems(layered)
     try:
         config = RunConfig.model_validate(layered.raw)
     except ValidationError as exc:
         extra = any(e["type"] == "extra_forbidden" for e in exc.errors())
-        problems = validation_problems(exc, RunConfig, layered,
-                                       elsewhere=subsection_models() if extra else ())
+        problems += validation_problems(exc, RunConfig, layered,
+                                        elsewhere=subsection_models() if extra else ())
     problems.extend(subsection_problems(layered, sections_of(RunConfig, ())))
     if problems:
-        raise ConfigError(describe_problems(problems))
+        raise ConfigError(scrub(describe_problems(problems), layered.raw))
     return config
 
 
@@ -122,7 +137,7 @@ def load_config_layers(
     (a file path, `the command line (a.b=c)` or `the environment (REDIS_URL)`)."""
     layered = _layers(path, overrides, os.environ if environ is None else environ)
     keys = sorted(layered.origin)
-    return {".".join(key): layered.origin[key] for key in keys
+    return {".".join(key): scrub(layered.origin[key], layered.raw) for key in keys
             if not any(len(other) > len(key) and other[: len(key)] == key for other in keys)}
 
 
@@ -134,6 +149,11 @@ ENVIRONMENT_KEYS: dict[str, list[str]] = {
     "REDIS_URL": ["redis", "url"],
     "FORAGE_WEIGHT_SYNC_TOKEN": ["learner", "weight_sync_token"],
 }
+
+# The secrets `forage up` redacted in RUN_DIR/config.yaml, handed to its children in their
+# environment (a JSON list of [path, value]; services/launch/up.py) so that they read the saved
+# config with the real values.
+SECRETS_VARIABLE = "FORAGE_CONFIG_SECRETS"
 
 
 def _layers(path: ConfigPaths, overrides: Iterable[str], environ: Mapping[str, str]) -> Layered:
@@ -152,7 +172,30 @@ def _layers(path: ConfigPaths, overrides: Iterable[str], environ: Mapping[str, s
                 f"{key[0]}: must be a mapping (got {section!r}); "
                 f"{source_label(layered.source_of([key[0]]))}"]))
         layered.set(list(key), environ[variable], environment_source(variable), variable)
+    if environ.get(SECRETS_VARIABLE):
+        try:
+            leaves = [(tuple(path), value)
+                      for path, value in json.loads(environ[SECRETS_VARIABLE])]
+        except (ValueError, TypeError):
+            raise ConfigError(f"{SECRETS_VARIABLE} in the environment is not the JSON list of "
+                              "[path, value] that `forage up` sets; unset it") from None
+        restore(layered.raw, leaves)
     return layered
+
+
+def _redacted_problems(layered: Layered) -> list[str]:
+    """One line per secret still redacted (`***`) after files, overrides and environment."""
+    hints = {tuple(key): variable for variable, key in ENVIRONMENT_KEYS.items()}
+    lines = []
+    for path in placeholders(layered.raw):
+        key = dotted(path)
+        variable = hints.get(path)
+        where = (f"{variable} in the environment or --set {key}=..." if variable else
+                 f"--set {key}=... or a config file of your own that holds it")
+        lines.append(f"{key}: holds {PLACEHOLDER}, a secret hidden when this config was saved; "
+                     f"pass the real value again ({where}); "
+                     f"{source_label(layered.source_of(path))}")
+    return lines
 
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -181,8 +224,14 @@ def _as_paths(path: ConfigPaths) -> list[str | os.PathLike[str]]:
 
 def _apply(layered: Layered, overrides: Iterable[str]) -> None:
     for override in overrides:
-        keys, value = parse_override(override)
-        layered.set(keys, value, command_line_source(override), override)
+        try:
+            keys, value = parse_override(override)
+            layered.set(keys, value, command_line_source(override), override)
+        except ConfigError as exc:  # it quotes the override: not a secret's value
+            key, _, value = override.partition("=")
+            if value and any(is_secret_key(part) for part in key.split(".")):
+                raise ConfigError(str(exc).replace(value, PLACEHOLDER)) from None
+            raise ConfigError(redact_text(str(exc))) from None
 
 
 _BARE_OVERRIDE = bare_override_pattern(RunConfig.model_fields)
