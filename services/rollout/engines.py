@@ -15,7 +15,7 @@ from services.rollout.vllm_worker import EXTENSION_CLASS
 MANAGED_VLLM_ARGS = frozenset({
     "model", "tokenizer", "seed", "dtype", "max_num_seqs", "gpu_memory_utilization",
     "tensor_parallel_size", "enforce_eager", "enable_prefix_caching", "max_model_len",
-    "worker_extension_cls", "logprobs_mode",
+    "worker_extension_cls", "logprobs_mode", "kv_cache_memory_bytes",
     # from learner.lora with `publish: adapter` (services/rollout/vllm_lora.py)
     "enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras",
 })
@@ -52,6 +52,8 @@ def vllm_engine_kwargs(rollout: Any, model: Any, lora: Any = None) -> dict[str, 
         # Log-probs of the distribution actually sampled from (as the transformers engine).
         logprobs_mode="processed_logprobs",
     )
+    if rollout.kv_cache_gib:
+        kwargs["kv_cache_memory_bytes"] = int(rollout.kv_cache_gib * 2**30)
     kwargs.update(lora_engine_kwargs(lora))
     kwargs.update(rollout.vllm_engine_args)
     return kwargs

@@ -64,6 +64,8 @@ from services.rollout.vllm_worker import COMMIT_METHOD, DROP_METHOD, STAGE_METHO
 log = logging.getLogger("forage.rollout.vllm")
 
 RESET_ATTEMPTS = 3
+# KV cache of an engine on a machine without CUDA when rollout.kv_cache_gib is 0 (see there).
+CPU_KV_CACHE_GIB = 2.0
 
 
 # ---------------------------------------------------------------------------- what crosses RPC
@@ -265,8 +267,14 @@ class VLLMEngine:
     @classmethod
     def from_engine_kwargs(cls, engine_kwargs: dict[str, Any]) -> VLLMEngine:
         """Start vLLM from `engines.vllm_engine_kwargs(config)` (the EngineArgs fields)."""
+        import torch
         from vllm import EngineArgs, LLMEngine
 
+        engine_kwargs = dict(engine_kwargs)
+        if engine_kwargs.get("kv_cache_memory_bytes") is None and not torch.cuda.is_available():
+            engine_kwargs["kv_cache_memory_bytes"] = int(CPU_KV_CACHE_GIB * 2**30)
+            log.info("no CUDA device: vLLM's KV cache takes %.1f GiB of host memory "
+                     "(rollout.kv_cache_gib)", CPU_KV_CACHE_GIB)
         llm_engine = LLMEngine.from_engine_args(EngineArgs(**engine_kwargs))
         lora = (AdapterVersions(max_rank=int(engine_kwargs["max_lora_rank"]))
                 if engine_kwargs.get("enable_lora") else None)
@@ -288,6 +296,14 @@ class VLLMEngine:
                                  **rollout_keys)
         model = ModelSection(path=str(path), tokenizer_path=tokenizer_path)
         return cls.from_engine_kwargs(vllm_engine_kwargs(rollout, model, lora))
+
+    def close(self) -> None:
+        """Stop vLLM's engine-core and worker processes now, not whenever the garbage
+        collector gets to them (a replica or a test that starts another engine after this one
+        would otherwise hold two models' memory for a while)."""
+        core = getattr(self.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
 
     # ------------------------------------------------------------------ requests
 

@@ -5,8 +5,21 @@ arguments are msgpack-encoded on the way to the engine core: a Python function o
 does not cross (vLLM raises `TypeError` unless insecure pickling is switched on, and even then
 tensors arrive as lists). So the rollout service never sends weights. It sends a version, the
 learner's weight-server address and a token; each worker fetches that version itself with
-`WeightSyncClient` (checksum-verified) and loads it through its model's own `load_weights`,
-which shards every tensor for its tensor-parallel rank.
+`WeightSyncClient` (checksum-verified) and loads it through vLLM's in-place reload
+(`Worker.reload_weights(weights_iterator=...)`), which shards every tensor for its
+tensor-parallel rank through the model's own `load_weights` and then re-runs the processing vLLM
+applies after a first load.
+
+Why the reload and not `model.load_weights` alone: after loading, vLLM transforms parameters for
+its kernels (`process_weights_after_loading`). Its CPU backend prepacks every linear weight for
+its GEMM kernels and leaves `weight` empty, quantized and FP8 checkpoints are repacked on GPUs,
+and so a second `load_weights` fails (`Attempted to load weight ... into parameter
+(torch.Size([0]))`) or writes where no kernel reads. `reload_weights` restores the checkpoint
+layout layer by layer, loads, and processes each layer again. vLLM's weight-transfer API
+(`init_weight_transfer_engine` / `update_weights`) is not used: it moves tensors over NCCL or
+CUDA IPC from a trainer that joins the workers' process group, which Forage's learner does not
+(it serves verified, token-guarded versions over gRPC, through relays), and it has no CPU
+backend.
 
 An update is two-phase so that all ranks switch together or none does:
   1. `forage_stage_weights(version, address, token)`: every rank fetches and verifies into a
@@ -26,8 +39,8 @@ so: docs/weight_sync.md "Relays") and serves what it receives on that Unix socke
 arrives; the other ranks read from it at the same time (a rank that cannot falls back to the
 learner). Every rank still verifies every chunk and the whole stream's checksum.
 
-`WorkerWeightLoader` is the part that is not vLLM: fetch, stage, hand (name, tensor) pairs to
-a `load_weights(weights=...)` callable and report. `ForageWorkerExtension` is the thin glue
+`WorkerWeightLoader` is the part that is not vLLM: fetch, stage, hand an iterator of (name,
+tensor) pairs to a reload callable and report. `ForageWorkerExtension` is the thin glue
 vLLM mixes into its worker class (`worker_extension_cls`); vLLM requires that none of its
 attribute names exist on the worker already, hence the `forage_` prefix on every one.
 """
@@ -37,7 +50,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 log = logging.getLogger("forage.rollout.vllm_worker")
@@ -52,8 +65,9 @@ DROP_METHOD = "forage_drop_staged_weights"
 # fetches from the learner itself (plan key "share_wait_s").
 SHARE_WAIT_S = 20.0
 
-# vLLM's model method: load_weights(weights: Iterable[tuple[str, Tensor]]) -> set[str] | None
-LoadWeights = Callable[..., Any]
+# Loads an iterator of (name, tensor) pairs in checkpoint format into the model (vLLM's
+# `Worker.reload_weights(weights_iterator=...)` in a real worker).
+ReloadWeights = Callable[[Iterator[tuple[str, Any]]], Any]
 
 
 def _result(ok: bool, version: int, rank: int | None, reason: str = "", error: str = "",
@@ -173,7 +187,7 @@ class WorkerWeightLoader:
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         return _result(True, got, self.rank, tensors=len(tensors), nbytes=nbytes)
 
-    def commit(self, version: int, load_weights: LoadWeights) -> dict[str, Any]:
+    def commit(self, version: int, reload: ReloadWeights) -> dict[str, Any]:
         """Load the staged copy of `version`; the staging copy is freed either way."""
         staged, self._staged = self._staged, None
         version = int(version)
@@ -183,7 +197,7 @@ class WorkerWeightLoader:
                            f"asked to load version {version} but {have} is staged")
         tensors = staged[1]
         try:
-            load_weights(weights=iter(tensors.items()))
+            reload(iter(tensors.items()))
         except Exception as exc:  # noqa: BLE001 - reported; the engine treats it as fatal
             return _result(False, version, self.rank, "load", f"{type(exc).__name__}: {exc}")
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -208,8 +222,9 @@ class WorkerWeightLoader:
 class ForageWorkerExtension:
     """Mixed into vLLM's worker class (`--worker-extension-cls`); called via `collective_rpc`.
 
-    `self` is the vLLM worker: `self.model_runner.model` is this rank's model, `self.device`
-    its device, `self.rank` its rank. Those three attributes are all this class relies on.
+    `self` is the vLLM worker: `self.reload_weights` (vLLM 0.32+) reloads this rank's model in
+    place, `self.device` is its device, `self.rank` its rank. Those three attributes are all
+    this class relies on.
     """
 
     def _forage_loader(self) -> WorkerWeightLoader:
@@ -227,15 +242,21 @@ class ForageWorkerExtension:
                         result["error"])
         return result
 
+    def _forage_reload(self, weights: Iterator[tuple[str, Any]]) -> None:
+        reload = getattr(self, "reload_weights", None)
+        if reload is None:
+            raise RuntimeError("this vLLM worker has no in-place weight reload "
+                               "(Worker.reload_weights, vLLM 0.32 or newer)")
+        reload(weights_iterator=weights)
+
     def forage_commit_weights(self, version: int) -> dict[str, Any]:
         import torch
 
-        model = self.model_runner.model
         device = getattr(self, "device", None)
         # vLLM's own weight-update path loads under the worker's device as the default device.
         context = torch.device(device) if device is not None else contextlib.nullcontext()
         with context:
-            result = self._forage_loader().commit(version, model.load_weights)
+            result = self._forage_loader().commit(version, self._forage_reload)
         if result["ok"] and torch.cuda.is_available():
             torch.cuda.synchronize()
         return result

