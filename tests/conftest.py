@@ -7,19 +7,16 @@ import uuid
 
 import pytest
 
-
-def import_or_skip(module: str, reason: str):
-    """`pytest.importorskip`, except under CI (CI=true, as `.ci/run` runs), where the suite's
-    own install puts the package there: a missing one is then a failed install, and the test
-    fails instead of skipping green."""
-    if os.environ.get("CI", "").lower() == "true":
-        import importlib
-
-        try:
-            return importlib.import_module(module)
-        except ImportError as exc:
-            pytest.fail(f"{module} cannot be imported under CI ({exc}); {reason}", pytrace=False)
-    return pytest.importorskip(module, reason=reason)
+# The suite's rules (tests/suite_rules.py): a skip for what the install provides fails under CI,
+# and a time budget per test. Its hooks take effect by being names of this conftest; tests take
+# its helpers (import_or_skip, require_tool, missing_tool, MISSING_PACKAGE...) from there.
+from tests.suite_rules import (  # noqa: F401
+    import_or_skip,
+    pytest_addoption,
+    pytest_configure,
+    pytest_make_collect_report,
+    pytest_runtest_makereport,
+)
 
 
 @pytest.fixture(scope="session")

@@ -63,7 +63,8 @@ def test_micro_batch_must_divide_the_step(tmp_path: Path) -> None:
 
 
 def test_grpo_config_accepts_the_settings(tmp_path: Path) -> None:
-    pytest.importorskip("trl")
+    pytest.importorskip("trl", reason="trl is the bench extra (pip install -e '.[bench]'), for "
+                        "bench/peer_trl.py only: make install leaves it out")
     from trl import GRPOConfig
 
     bench = _bench()

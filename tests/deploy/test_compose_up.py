@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import time
 import urllib.parse
@@ -30,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.suite_rules import missing_tool, require_tool
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -156,12 +157,11 @@ def _prometheus(port: int, path: str, **params: str) -> Any:
 
 @pytest.fixture()
 def compose(forage_cpu_image, tmp_path):
-    if shutil.which(forage_cpu_image.cli) is None:
-        pytest.skip("no docker CLI")
+    require_tool(forage_cpu_image.cli, "make test installs Debian's docker.io as root")
     engine = forage_cpu_image
     version = engine.docker("compose", "version", "--short", check=False)
     if version.returncode != 0 or _version(version.stdout) < MIN_COMPOSE:
-        pytest.skip("no docker compose plugin >= 2.24.4 (make test installs it as root)")
+        missing_tool("no docker compose plugin >= 2.24.4 (make test installs it as root)")
     api = engine.docker("version", "--format", "{{.Server.APIVersion}}").stdout
     project = Compose(engine, _test_file(tmp_path, _version(api)))
     try:

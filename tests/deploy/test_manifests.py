@@ -22,6 +22,7 @@ import yaml
 
 from services.cli import COMMAND_GROUPS
 from services.common.config import RunConfig, load_config
+from tests.suite_rules import missing_tool, require_tool
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "configs/search_r1_nq_hotpotqa.yaml"
@@ -416,12 +417,10 @@ def test_services_select_pods_on_declared_ports(deploy, rendered):
 
 
 def test_docker_compose_config_validates(deploy):
-    docker = shutil.which("docker")
-    if docker is None:
-        pytest.skip("no docker client installed: the compose-spec schema test covers the file")
+    docker = require_tool("docker", "make test installs Debian's docker.io as root")
     probe = subprocess.run([docker, "compose", "version"], capture_output=True, text=True)
     if probe.returncode != 0:
-        pytest.skip("docker client has no compose plugin here")
+        missing_tool("the docker client has no compose plugin (make test installs it as root)")
     for extra in ([], ["-f", "deploy/compose/gpus-8.yml"]):
         result = subprocess.run([docker, "compose", "-f", "docker-compose.yml", *extra, "config",
                                  "--quiet"], capture_output=True, text=True, cwd=REPO,

@@ -4,7 +4,6 @@ with the rollout's config keys; vLLM where it is not installed is one line and e
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,10 @@ from services.eval.runner import EvalSettings
 from services.rollout.engines import vllm_engine_kwargs
 
 REPO = Path(__file__).resolve().parents[2]
-NO_VLLM = importlib.util.find_spec("vllm") is None
+# `python -m services.cli` where `import vllm` fails (a None entry in sys.modules: find_spec
+# answers None and the import raises ImportError), as on a machine without vLLM.
+HIDE_VLLM = ("import sys; sys.modules['vllm'] = None; from services.cli import main; "
+             "sys.exit(main())")
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -46,16 +48,16 @@ def test_the_engine_config_has_the_rollout_keys_of_the_evaluation(tmp_path):
             rollout.seed) == ("transformers", "cpu", "float32", 7, 3)
 
 
-def test_vllm_gets_the_same_settings_keys_as_a_replica(tmp_path):
+def test_vllm_gets_the_same_settings_keys_as_a_replica(tmp_path, monkeypatch):
     """The EngineArgs mapping is pure, so it is checked here without vLLM."""
+    monkeypatch.setitem(sys.modules, "vllm", None)  # vLLM not installed, wherever it is
     request = EvalRequest(models=["m"], data=[], modes=["direct"], out=str(tmp_path),
                           dtype="bfloat16", engine="vllm",
                           engine_settings=["rollout.gpu_memory_utilization=0.5",
                                            "rollout.vllm_engine_args.kv_cache_dtype=fp8"],
                           settings=EvalSettings(batch_size=64, seed=1))
-    if NO_VLLM:
-        with pytest.raises(EvalError, match="--engine: vllm needs the `vllm` package"):
-            engine_config(request, "models/policy")
+    with pytest.raises(EvalError, match="--engine: vllm needs the `vllm` package"):
+        engine_config(request, "models/policy")
     config = engine_config(request, "models/policy", check=False)
     kwargs = vllm_engine_kwargs(config.rollout, config.model, config.learner.lora)
     assert kwargs["max_num_seqs"] == 64 and kwargs["seed"] == 1
@@ -101,11 +103,12 @@ def test_transformers_path_is_the_factory_s_engine(eval_world, tmp_path):
     assert "engine" not in doc["config"] and doc["rows"][0]["n"]["all"] == 1
 
 
-@pytest.mark.skipif(not NO_VLLM, reason="vLLM is installed here")
-def test_the_factory_refuses_vllm_where_it_is_missing(tiny_policy_dir):
+def test_the_factory_refuses_vllm_where_it_is_missing(tiny_policy_dir, monkeypatch):
     """A rollout replica gets the same one line (a ConfigError: exit code 2) before loading."""
     from services.common.config import ConfigError, load_config
     from services.rollout.engines import make_engine
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # vLLM not installed, wherever it is
 
     config = load_config(None, [f"model.path={tiny_policy_dir}", "rollout.engine=vllm"],
                          environ={})
@@ -113,10 +116,9 @@ def test_the_factory_refuses_vllm_where_it_is_missing(tiny_policy_dir):
         make_engine(config)
 
 
-@pytest.mark.skipif(not NO_VLLM, reason="vLLM is installed here")
 def test_vllm_not_installed_is_one_line_and_exit_code_2(eval_world, tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "services.cli", "eval", "--model", str(eval_world["policy"]),
+    done = subprocess.run(  # `python -m services.cli` with vLLM not installed, wherever it is
+        [sys.executable, "-c", HIDE_VLLM, "eval", "--model", str(eval_world["policy"]),
          "--data", str(eval_world["flashrag"]), "--mode", "direct", "--engine", "vllm",
          "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True,
         timeout=120)

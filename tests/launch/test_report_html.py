@@ -29,6 +29,7 @@ from services.launch.report import (
     wilson_interval,
     write_report,
 )
+from tests.suite_rules import MISSING_TOOL, import_or_skip
 
 REAL = Path(__file__).with_name("data") / "metrics_real.jsonl"
 FORAGE = Path(sys.executable).with_name("forage")
@@ -219,11 +220,10 @@ def test_demo_summary_says_quick_does_not_learn(tmp_path, capsys):
 # ---------------------------------------------------------------- a real browser
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (Debian: apt-get "
-                                             "install chromium); the page is not opened")
+@pytest.mark.skipif(CHROMIUM is None, reason=f"{MISSING_TOOL} Chromium is not installed (make "
+                    "test installs Debian's chromium as root); the page is not opened")
 def test_index_html_renders_in_headless_chromium(tmp_path, tiny_policy_dir):
-    playwright = pytest.importorskip("playwright.sync_api",
-                                     reason="playwright (dev extra) drives the browser")
+    playwright = import_or_skip("playwright.sync_api", "playwright (dev extra) drives the browser")
     from PIL import Image
 
     run = tmp_path / "run"

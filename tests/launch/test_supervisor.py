@@ -12,6 +12,7 @@ from concurrent import futures
 import pytest
 
 from services.launch.supervisor import ServiceFailed, ServiceSpec, Supervisor
+from tests.suite_rules import import_or_skip
 
 # What an HTTP/2 server (gRPC) sends first on any connection: an empty SETTINGS frame.
 HTTP2_SETTINGS = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
@@ -44,7 +45,7 @@ def supervisor(tmp_path):
 
 
 def test_a_grpc_server_on_the_port_is_a_one_line_error(supervisor):
-    grpc = pytest.importorskip("grpc")
+    grpc = import_or_skip("grpc", "grpcio, a dependency of forage (make install)")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()

@@ -38,10 +38,12 @@ from services.learner.attention import (
 )
 from services.learner.logprobs import forward_logits, token_logprobs
 from services.learner.packing import MicroBatch, Sample, pack
+from tests.suite_rules import MISSING_PACKAGE
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
-needs_flex = pytest.mark.skipif(not flex_installed("cpu"), reason="torch has no FlexAttention")
+needs_flex = pytest.mark.skipif(not flex_installed("cpu"), reason=f"{MISSING_PACKAGE} torch or "
+                                "transformers has no FlexAttention (make install's have it)")
 
 
 # ----------------------------------------------------------------------------- the choice

@@ -28,6 +28,7 @@ from services.common.trajectory import (
     Turn,
 )
 from services.learner.samples import SampleLog, pick, sample_row, trim_samples
+from tests.suite_rules import import_or_skip
 
 ROOT = Path(__file__).resolve().parents[2]
 FRACTIONS = [0.0, 0.5, 1.0]
@@ -213,7 +214,7 @@ class ScriptedServices:
 
 @pytest.mark.slow
 def test_learner_writes_samples_and_tracks_them(tmp_path, redis_url, namespace, tiny_policy):
-    pytest.importorskip("tensorboard")
+    import_or_skip("tensorboard", "the tensorboard extra (make install: the dev extra brings it)")
     import pyarrow as pa
     import pyarrow.parquet as pq
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

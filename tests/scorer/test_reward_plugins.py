@@ -18,8 +18,10 @@ import yaml
 
 from services.scorer.pool import STATUS_OK, Job, RewardPool
 from services.scorer.rewards.registry import RewardTable, load_ref, resolve_function
+from tests.suite_rules import MISSING_PACKAGE
 
 FORAGE = Path(sys.executable).with_name("forage")
+NO_SCRIPT = f"{MISSING_PACKAGE} no forage console script beside {sys.executable} (make install)"
 REWARD = '''
 def brevity(data_source, solution_str, ground_truth, extra_info=None):
     return {"score": 1.0 - len(solution_str) / 100, "chars": len(solution_str)}
@@ -40,7 +42,7 @@ def score_with(tmp_path: Path, function: str) -> subprocess.CompletedProcess:
                       "--solution", "0123456789", "--ground-truth", "x")
 
 
-@pytest.mark.skipif(not FORAGE.exists(), reason="the forage console script is not installed")
+@pytest.mark.skipif(not FORAGE.exists(), reason=NO_SCRIPT)
 def test_file_form_works_without_pythonpath(tmp_path: Path) -> None:
     (tmp_path / "rewards").mkdir()
     (tmp_path / "rewards" / "brevity.py").write_text(REWARD)
@@ -51,7 +53,7 @@ def test_file_form_works_without_pythonpath(tmp_path: Path) -> None:
     assert result["components"]["rewards/brevity.py:brevity/chars"] == 10
 
 
-@pytest.mark.skipif(not FORAGE.exists(), reason="the forage console script is not installed")
+@pytest.mark.skipif(not FORAGE.exists(), reason=NO_SCRIPT)
 def test_module_form_finds_a_module_in_the_working_directory(tmp_path: Path) -> None:
     """Failed before: the console script's sys.path has no working directory, so
     `my_rewards:brevity` beside the run was 'cannot import my_rewards' unless PYTHONPATH=."""
@@ -61,7 +63,7 @@ def test_module_form_finds_a_module_in_the_working_directory(tmp_path: Path) -> 
     assert json.loads(done.stdout)["score"] == pytest.approx(1.8)
 
 
-@pytest.mark.skipif(not FORAGE.exists(), reason="the forage console script is not installed")
+@pytest.mark.skipif(not FORAGE.exists(), reason=NO_SCRIPT)
 def test_a_missing_file_is_one_line_naming_it(tmp_path: Path) -> None:
     done = score_with(tmp_path, "nowhere/reward.py:brevity")
     assert done.returncode == 2
