@@ -339,7 +339,7 @@ def _run_on_replicas(request: EvalRequest, questions: list[Any],
 OWN_ROLLOUT_KEYS = ("engine", "device", "dtype", "max_batch_size", "seed")
 # The engine's other rollout keys (docs/rollout.md, "Config keys"), which `--set` may set; the
 # agent loop's keys have forage eval flags of their own (--max-turns, ...).
-ENGINE_KEYS = ("gpu_memory_utilization", "tensor_parallel_size", "enforce_eager",
+ENGINE_KEYS = ("gpu_memory_utilization", "kv_cache_gib", "tensor_parallel_size", "enforce_eager",
                "enable_prefix_caching", "max_model_len", "vllm_engine_args")
 
 

@@ -149,3 +149,30 @@ def test_abort_all_frees_running_requests_and_the_engine_serves_on(engine, promp
 
 def test_search_turns_on_vllm_keep_the_tokens_generated(engine, retriever_url):
     check_sampled_turns(engine, retriever_url)
+
+
+def test_forage_eval_plays_its_agent_rows_on_vllm(engine, smollm2_dir, tmp_path, monkeypatch):
+    """`forage eval --engine vllm`: the evaluation builds its engine config with the factory's
+    keys (checked here) and plays the agent loop on this module's vLLM engine (one engine
+    start is shared; the factory itself starts vLLM in the docs' `forage up` run)."""
+    from services.eval import evaluate
+    from tests.eval.conftest import build_index, write_flashrag
+
+    configs = []
+
+    def shared_engine(model, request):
+        configs.append(evaluate.engine_config(request, model))
+        return engine
+
+    monkeypatch.setattr(evaluate, "_engine", shared_engine)
+    request = evaluate.EvalRequest(
+        models=[str(smollm2_dir)], data=[str(write_flashrag(tmp_path / "nq" / "test.jsonl"))],
+        modes=["agent"], out=str(tmp_path / "out"), limit=4, index=str(build_index(tmp_path)),
+        dtype="float32", engine="vllm", engine_settings=["rollout.enforce_eager=true"],
+        settings=evaluate.EvalSettings(batch_size=4, max_turns=2, max_tokens_per_turn=32,
+                                       max_obs_length=64, topk=1))
+    doc = evaluate.run(request)
+    [config] = configs
+    assert (config.rollout.engine, config.rollout.dtype, config.rollout.enforce_eager) == (
+        "vllm", "float32", True)
+    assert doc["config"]["engine"] == "vllm" and doc["rows"][0]["n"]["all"] == 4
