@@ -42,6 +42,7 @@ COMMAND_GROUPS: dict[str, tuple[str, str]] = {
     "streams": ("services.launch.cli_streams", "dead-lettered messages, decoded, with reasons"),
     "config": ("services.common.cli_config", "the merged config of --config files + overrides"),
     "doctor": ("services.common.cli_doctor", "check this node's driver, CUDA, torch, vLLM, faiss"),
+    "plan": ("services.common.cli_plan", "GPU and host memory per service: will it fit"),
 }
 
 
