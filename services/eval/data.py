@@ -142,14 +142,23 @@ def load_questions(paths: list[str], data_source: str | None = None,
         raise DatasetError(f"{', '.join(paths)}: no questions")
     seen: dict[str, int] = {}
     kept: list[Question] = []
-    per_source: dict[str, int] = {}
-    for q in questions:
-        if limit is not None and per_source.get(q.data_source, 0) >= limit:
-            continue
-        per_source[q.data_source] = per_source.get(q.data_source, 0) + 1
+    for q in limit_per_source(questions, limit):
         count = seen.get(q.qid, 0)
         seen[q.qid] = count + 1
         if count:  # a repeated id (two files of one source): keep both, distinctly named
             q = replace(q, qid=f"{q.qid}#{count}")
         kept.append(q)
+    return kept
+
+
+def limit_per_source(questions: list[Question], limit: int | None) -> list[Question]:
+    """The first `limit` questions of each data source, in order (all of them: None)."""
+    if limit is None:
+        return list(questions)
+    per_source: dict[str, int] = {}
+    kept = []
+    for q in questions:
+        if per_source.get(q.data_source, 0) < limit:
+            per_source[q.data_source] = per_source.get(q.data_source, 0) + 1
+            kept.append(q)
     return kept

@@ -14,8 +14,9 @@ from typing import Any
 
 from services.common.redact import redact_text, redact_url
 from services.eval import report
-from services.eval.data import load_questions
+from services.eval.data import limit_per_source, load_questions
 from services.eval.evidence import donors
+from services.eval.from_run import select_questions
 from services.eval.replicas import (
     ReplicaError,
     ReplicaPlayer,
@@ -66,6 +67,17 @@ class EvalRequest:
     limit: int | None = None
     device: str = "cpu"
     dtype: str = "auto"
+    # In-process retrieval (--index without --retriever-url): where the encoder and the index
+    # run (None: `device`), the index apart (None: with the encoder), the precision queries
+    # are encoded in (`auto`: as the server resolves retriever.query_dtype, float16 on CUDA)
+    # and the server's search overrides (nprobe, ef_search, k_factor; `--run` takes the run's).
+    retriever_device: str | None = None
+    index_device: str | None = None
+    query_dtype: str = "auto"
+    search_params: dict[str, int] = field(default_factory=dict)
+    # `--run`: ask the questions the run's evaluation asked, (data.max_test_items,
+    # learner.eval_max_questions) of services/eval/from_run.py's select_questions.
+    run_questions: tuple[int | None, int] | None = None
     # The rollout's engine factory (services/rollout/engines.py): "transformers" or "vllm",
     # and further `rollout.KEY=VALUE` settings for it (vLLM's gpu_memory_utilization, ...).
     engine: str = "transformers"
@@ -95,12 +107,53 @@ def _run_config(request: EvalRequest, models: list[dict[str, str]], questions: i
                 settings: Any, index_id: str | None) -> dict[str, Any]:
     """What OUT/config.json records of a run: a rerun with another config is refused, so
     finished lines are only ever resumed by the run that wrote them."""
-    return {
+    config = {
         "models": models,
         "data": [{"path": path, "checksum": _file_checksum(path)} for path in request.data],
         "data_source": request.data_source, "limit": request.limit, "modes": request.modes,
         "settings": settings.as_dict(), "index": index_id, "questions": questions,
     }
+    # Only when set, so a directory written before `--run` still resumes.
+    if request.run_questions is not None:
+        first, cap = request.run_questions
+        config["run_questions"] = {"max_test_items": first, "eval_max_questions": cap}
+    return config
+
+
+def retrieval_placement(request: EvalRequest) -> tuple[str, str | None, str]:
+    """(device, index device, resolved query dtype) of the in-process searcher."""
+    from services.retriever.encoder import resolve_query_dtype
+
+    device = request.retriever_device or request.device
+    return device, request.index_device, resolve_query_dtype(request.query_dtype, device)
+
+
+def _check_placement(request: EvalRequest) -> None:
+    """The in-process searcher's devices, checked before anything loads: a CUDA that torch or
+    faiss cannot use is one line naming the flag, never a traceback mid-load."""
+    from services.retriever.indexes import DeviceError
+    from services.retriever.manifest import IndexLoadError, read_manifest
+    from services.retriever.searcher import check_placement
+
+    assert request.index is not None
+    try:
+        index_type = read_manifest(request.index).get("index_type")
+    except IndexLoadError as exc:
+        raise RetrievalError(str(exc)) from None
+    device_flag = "--retriever-device" if request.retriever_device else "--device"
+    device, index_device, _ = retrieval_placement(request)
+    try:
+        check_placement(device, index_type,
+                        encoder_device=device if index_device is not None else None,
+                        index_device=index_device, key=device_flag, encoder_key=device_flag,
+                        index_key="--index-device")
+    except DeviceError as exc:
+        text = str(exc)
+        if index_device is None and "faiss" in text and "torch" not in text:
+            # torch has the GPU, faiss not: the encoder can still run there
+            text = (text.rstrip(".") + "; or keep the index on the CPU and the encoder on "
+                    f"{device} with --index-device cpu")
+        raise EvalError(f"in-process retrieval (--index {request.index}): {text}") from None
 
 
 def _labels(models: list[str]) -> list[str]:
@@ -144,8 +197,10 @@ def _identity(request: EvalRequest, needs_search: bool
         raise EvalError("modes rag and agent search: pass --index DIR (loaded here) or "
                         "--retriever-url URL (a running `forage retriever serve`), or "
                         "--retrieval replay with a recorded store")
+    if request.index and not request.retriever_url:
+        _check_placement(request)
     if request.index:
-        identity, settings = read_identity(request.index)
+        identity, settings = read_identity(request.index, request.search_params or None)
     elif request.retrieval == "record":
         identity, settings = _served(request.retriever_url)
     else:
@@ -177,8 +232,12 @@ def _backend(request: EvalRequest, identity: str | None, settings: dict[str, Any
     topk = request.settings.topk
     if replay_store is not None:
         return Replay(replay_store, identity, settings, topk), replay_store
-    live: Backend = (Http(request.retriever_url, topk, request.index) if request.retriever_url
-                     else InProcess(request.index, topk))
+    if request.retriever_url:
+        live: Backend = Http(request.retriever_url, topk, request.index)
+    else:
+        device, index_device, query_dtype = retrieval_placement(request)
+        live = InProcess(request.index, topk, device=device, index_device=index_device,
+                         query_dtype=query_dtype, search_params=request.search_params or None)
     if request.retrieval == "record":
         store = Store(_store_path(request), create=True)
         return Recording(live, store, identity, settings, topk), store
@@ -190,7 +249,12 @@ def run(request: EvalRequest) -> dict[str, Any]:
     if request.retrieval not in RETRIEVAL_MODES:
         raise EvalError(f"--retrieval must be one of {', '.join(RETRIEVAL_MODES)}")
     try:
-        questions = load_questions(request.data, request.data_source, request.limit)
+        if request.run_questions is None:
+            questions = load_questions(request.data, request.data_source, request.limit)
+        else:  # the run's pick of the rows first, then --limit on it
+            questions = limit_per_source(select_questions(
+                load_questions(request.data, request.data_source), *request.run_questions),
+                request.limit)
     except DatasetError as exc:
         raise EvalError(str(exc)) from None
     if request.settings.evidence_probe and "agent" not in request.modes:
@@ -209,6 +273,15 @@ def run(request: EvalRequest) -> dict[str, Any]:
         raise EvalError(str(exc)) from None
     out = Path(request.out)
     config = _run_config(request, models, len(questions), request.settings, index_id)
+    if needs_search and request.index and not request.retriever_url \
+            and request.retrieval != "replay":
+        # How this process searches, when not as it always did (float32 queries, the build's
+        # search settings): another precision is another config for an existing OUT.
+        _, _, query_dtype = retrieval_placement(request)
+        if query_dtype != "float32":
+            config["query_dtype"] = query_dtype
+        if request.search_params:
+            config["search_params"] = dict(sorted(request.search_params.items()))
     # Only when not the default, so directories written before the flag still resume; an
     # engine switch for an existing OUT is refused as another config (other tokens).
     if request.engine != "transformers":
@@ -274,6 +347,8 @@ def _check_replica_request(request: EvalRequest) -> None:
         ("--store", request.store), ("--evidence-probe", request.settings.evidence_probe),
         ("--retrieval " + request.retrieval, request.retrieval != "live"),
         ("--engine " + request.engine, request.engine != "transformers"),
+        ("--retriever-device", request.retriever_device),
+        ("--index-device", request.index_device),
         ("--set", bool(request.engine_settings))) if value]
     if named:
         raise EvalError(f"--namespace does not take {', '.join(named)}: for an evaluation "

@@ -38,8 +38,14 @@ from services.common.codec import CodecError, decode_as, encode
 from services.common.redact import redact_text, redact_url
 from services.common.trajectory import PromptGroup, Trajectory
 from services.eval.data import Question
-from services.eval.prompts import tool_agent_prompt
-from services.eval.runner import EvalSettings, PlayError, Progress, Row, sample_line, tool_mode
+from services.eval.runner import (
+    EvalSettings,
+    PlayError,
+    Progress,
+    Row,
+    agent_prompt,
+    sample_line,
+)
 
 # How often a question whose trajectory failed (the replica's retriever was down, the engine
 # refused it) is published again before the run stops: the learner's default max_attempts.
@@ -220,8 +226,7 @@ class ReplicaPlayer:
         queue = list(questions)
         by_uid = {self.prefix + q.qid: q for q in questions}
         attempts: dict[str, int] = {}
-        prompts = {q.qid: tool_agent_prompt(q.question) if tool_mode(settings, row.mode)
-                   else q.agent_prompt for q in questions}
+        prompts = {q.qid: agent_prompt(settings, q) for q in questions}
         outstanding: set[str] = set()
         first_id: str | None = None
         started = last_result = time.monotonic()

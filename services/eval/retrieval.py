@@ -41,26 +41,36 @@ MAX_QUERY_CHARS = 2048  # the rollout client's default check, applied in-process
 RetrievalError = common.StoreError
 
 
-def read_identity(index_dir: str | Path) -> tuple[str, dict[str, Any]]:
-    """(identity, search settings) of an index directory, from its manifest alone."""
+def read_identity(index_dir: str | Path, overrides: dict[str, Any] | None = None
+                  ) -> tuple[str, dict[str, Any]]:
+    """(identity, search settings) of an index directory, from its manifest alone;
+    `overrides` are search settings put over the build's (nprobe, ...), as the server's."""
     from services.retriever.manifest import IndexLoadError, read_manifest
 
     try:
         manifest = read_manifest(index_dir)
     except IndexLoadError as exc:
         raise RetrievalError(str(exc)) from None
-    return index_identity(manifest), search_settings(manifest)
+    return index_identity(manifest), search_settings(manifest, overrides)
 
 
 class InProcess:
-    """The index loaded in this process: what `forage retriever serve` would answer."""
+    """The index loaded in this process: what `forage retriever serve` would answer.
 
-    def __init__(self, index_dir: str | Path, topk: int) -> None:
+    `device` places the encoder and the index (retriever.device), `index_device` the FAISS
+    index apart (retriever.index_device); `query_dtype` is the precision queries are encoded
+    in, already resolved (services/retriever/encoder.resolve_query_dtype: `auto` is float16
+    on CUDA, as the server's); `search_params` the server's nprobe / ef_search / k_factor."""
+
+    def __init__(self, index_dir: str | Path, topk: int, device: str = "cpu",
+                 index_device: str | None = None, query_dtype: str = "float32",
+                 search_params: dict[str, int] | None = None) -> None:
         from services.retriever.manifest import IndexLoadError
         from services.retriever.searcher import Searcher
 
         try:
-            self.searcher = Searcher.load(index_dir)
+            self.searcher = Searcher.load(index_dir, device=device, index_device=index_device,
+                                          query_dtype=query_dtype, search_params=search_params)
         except IndexLoadError as exc:
             raise RetrievalError(str(exc)) from None
         self.topk = topk

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from services.common.formats import doc_refs
+from services.common.formats import STOP_STRINGS, doc_refs
 from services.common.tool_calls import observation_text
 from services.common.trajectory import PromptGroup, ScoredTrajectory, Trajectory
 from services.eval.data import Question
@@ -69,18 +69,37 @@ class EvalSettings:
     evidence_probe: bool = False
     evidence_samples: int = 3
     protocol: str = "tags"  # of agent rows: "tags" (Search-R1's) or "tool_calls"
+    # Where an agent row's tags turn stops (rollout.stop_strings; `--run` takes the run's).
+    stop_strings: tuple[str, ...] = STOP_STRINGS
+    # tool_calls agent rows: ask the data's own prompt (a run's evaluation does; `--run`)
+    # instead of TOOL_AGENT_TEMPLATE (the data's prompt usually teaches tags).
+    data_prompt: bool = False
 
     def as_dict(self) -> dict[str, Any]:
-        """The config's settings. The probe's fields appear only when it is on, and the
-        protocol only when it is not `tags`, so an output directory written before they
-        existed still resumes."""
+        """The config's settings. The probe's fields appear only when it is on, the protocol
+        only when it is not `tags` and the stop strings only when not Search-R1's, so an
+        output directory written before they existed still resumes."""
         out = asdict(self)
         if not self.evidence_probe:
             out.pop("evidence_probe")
             out.pop("evidence_samples")
         if self.protocol == "tags":
             out.pop("protocol")
+        if tuple(self.stop_strings) == STOP_STRINGS:
+            out.pop("stop_strings")
+        else:
+            out["stop_strings"] = list(self.stop_strings)
+        if not (self.data_prompt and self.protocol == "tool_calls"):
+            out.pop("data_prompt")
         return out
+
+
+def agent_prompt(settings: EvalSettings, question: Question) -> Any:
+    """An agent row's prompt: the data's own, except under tool_calls without `data_prompt`
+    (TOOL_AGENT_TEMPLATE's)."""
+    if settings.protocol == "tool_calls" and not settings.data_prompt:
+        return tool_agent_prompt(question.question)
+    return question.agent_prompt
 
 
 def tool_mode(settings: EvalSettings, mode: str) -> bool:
@@ -115,7 +134,7 @@ def _loop_settings(settings: EvalSettings, mode: str) -> Any:
         max_obs_length=settings.max_obs_length, max_response_length=settings.max_response_length,
         max_prompt_length=settings.max_prompt_length, use_search=agent,
         temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
-        stop_strings=("</search>", "</answer>") if agent else ("</answer>",),
+        stop_strings=settings.stop_strings if agent else ("</answer>",),
         scheduling="lockstep")
 
 
@@ -222,7 +241,7 @@ def probe_evidence(engine: Any, played: list[tuple[dict[str, Any], Trajectory, Q
         donor = donor_of.get(question.qid)
         if chat is not None:
             block = swapped_result(found.get(donor.question)) if donor is not None else None
-            item = (prepare_tool_calls(chat, trajectory, tool_agent_prompt(question.question),
+            item = (prepare_tool_calls(chat, trajectory, agent_prompt(settings, question),
                                        block, settings.max_obs_length)
                     if trajectory.num_searches > 0 else None)
         else:
@@ -265,11 +284,9 @@ def play_row(engine: Any, row: Row, questions: Sequence[Question], total: int,
     try:
         for start in range(0, len(questions), settings.batch_size):
             chunk = list(questions[start:start + settings.batch_size])
-            prompts: list[Any] = [q.agent_prompt for q in chunk]
+            prompts: list[Any] = [agent_prompt(settings, q) for q in chunk]
             rag_docs: dict[str, list[dict[str, str]]] = {}
-            if tool_mode(settings, row.mode):
-                prompts = [tool_agent_prompt(q.question) for q in chunk]
-            elif row.mode == "direct":
+            if row.mode == "direct":
                 prompts = [direct_prompt(q.question) for q in chunk]
             elif row.mode == "rag":
                 assert backend is not None

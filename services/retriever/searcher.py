@@ -62,11 +62,14 @@ def check_device(device: str, index_type: str | None = None, *, index_on_device:
 
 def check_placement(device: str, index_type: str | None = None, *,
                     encoder_device: str | None = None, index_device: str | None = None,
-                    key: str = "retriever.device") -> None:
+                    key: str = "retriever.device",
+                    encoder_key: str = "retriever.encoder_device",
+                    index_key: str = "retriever.index_device") -> None:
     """check_device for a split placement: the encoder on `encoder_device` (torch) and the
     dense index on `index_device` (faiss), each defaulting to `device`. With neither set this
     is check_device(device, ...) itself, message for message. Every problem is named, with
-    the setting it comes from, in one DeviceError."""
+    the setting it comes from (`key`, `encoder_key`, `index_key`: how the caller's user sets
+    each), in one DeviceError."""
     if encoder_device is None and index_device is None:
         check_device(device, index_type, key=key)
         return
@@ -78,8 +81,8 @@ def check_placement(device: str, index_type: str | None = None, *,
         parse_index_device,
     )
 
-    encoder_key = "retriever.encoder_device" if encoder_device is not None else key
-    index_key = "retriever.index_device" if index_device is not None else key
+    encoder_key = encoder_key if encoder_device is not None else key
+    index_key = index_key if index_device is not None else key
     encoder_device = encoder_device or device
     index_device = index_device or device
     try:

@@ -110,6 +110,54 @@ def test_gpu_check_demo_part_reports_the_run(quick_demo):
     assert "--quick" in report["command"] and report["run_dir"] == str(out)
 
 
+def test_eval_run_reproduces_the_runs_last_evaluation(quick_demo, tmp_path):
+    """`forage eval --run` on the quick demo's run, from another directory: the latest
+    checkpoint, the run's held-out questions, index and rollout settings, so the same EM over
+    the same questions as the run's last in-run evaluation, and the same turns, token for
+    token, as the run logged of it. (With eval's own defaults, Search-R1's top-k 3 and 500
+    tokens a turn and observation, the demo's 32-token turns and 320-token responses differ.)"""
+    from statistics import mean
+
+    out, proc, _ = quick_demo
+    assert proc.returncode == 0, "the quick demo failed; see its test"
+    last = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["kind"] == "eval"][-1]
+    assert last["step"] == 4
+    done = subprocess.run([sys.executable, "-m", "services.cli", "eval", "--run", str(out),
+                           "--out", str(tmp_path / "eval")], cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "not as the run evaluated" not in done.stderr
+    config = json.loads((tmp_path / "eval" / "config.json").read_text())
+    assert config["models"][0]["path"] == str(out / "checkpoints" / "step_00000004" / "policy")
+    lines = [json.loads(line)
+             for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+    # the same number of questions, per data source, and the same EM
+    assert len(lines) == last["eval/n"]
+    for source in {line["data_source"] for line in lines}:
+        mine = [line for line in lines if line["data_source"] == source]
+        assert len(mine) == last[f"eval/n/{source}"], source
+        assert mean(line["em"] for line in mine) == pytest.approx(last[f"eval/em/{source}"])
+    assert mean(line["em"] for line in lines) == pytest.approx(last["eval/em"])
+    # played as the run played them
+    assert mean(line["num_searches"] for line in lines) == pytest.approx(
+        last["eval/searches/mean"])
+    assert mean(line["turns_count"] for line in lines) == pytest.approx(last["eval/turns/mean"])
+    assert mean(line["response_tokens"] for line in lines) == pytest.approx(
+        last["eval/response_length/mean"])
+    # the trajectories the run logged of that evaluation, turn for turn
+    logged = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    logged = [s for s in logged if s["kind"] == "eval" and s["step"] == last["step"]]
+    assert logged
+    by_question = {line["question"]: line for line in lines}
+    for sample in logged:
+        ours = by_question[sample["question"]]
+        assert [t["text"] for t in ours["turns"]] == [t["text"] for t in sample["turns"]]
+        assert ours["answer"] == sample["answer"] and ours["correct"] == sample["correct"]
+    assert (f"the run's own evaluation at step 4: EM {last['eval/em']:.3f}, "
+            f"{last['eval/n']} questions") in done.stdout
+
+
 def _up(config: Path, log: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--config", str(config)],
                             cwd=ROOT, env=_env(), stdout=log.open("w"),
