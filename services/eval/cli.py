@@ -107,7 +107,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="forced answers per variant and trajectory, at temperature 1 (default 3)")
     add("--engine", choices=("transformers", "vllm"), default="transformers",
         help="generation engine, built by the rollout's factory: transformers (default) or "
-             "vllm (a GPU node with the gpu extra)")
+             "vllm (the gpu extra on a GPU node, vLLM's CPU build elsewhere: docs/vllm-cpu.md)")
     add("--set", action="append", default=[], metavar="rollout.KEY=VALUE", dest="engine_set",
         help="another engine setting, with the rollout's config keys (e.g. "
              "rollout.gpu_memory_utilization=0.5, rollout.vllm_engine_args.kv_cache_dtype=fp8)")
