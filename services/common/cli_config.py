@@ -1,4 +1,5 @@
 """`forage config show --config FILE [--config FILE ...] [key=value ...]`: the merged config.
+`forage config reference [--check FILE]`: docs/config.md, every key generated from the classes.
 
 What every service of the run would read after the files are merged and the overrides applied
 (Hydra's `--cfg job`), validated: a bad key exits 2 with the error naming it and its source.
@@ -23,6 +24,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     show.add_argument("--sources", action="store_true",
                       help="list where each set key came from (file, command line, environment)")
     show.set_defaults(handler=_show)
+    reference = sub.add_parser("reference", help="every config key with its type, default, "
+                                                 "readers and meaning (docs/config.md)")
+    reference.add_argument("--check", metavar="FILE",
+                           help="exit 1 when FILE differs from the generated reference")
+    reference.set_defaults(handler=_reference)
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -36,3 +42,22 @@ def _show(args: argparse.Namespace) -> int:
         for key, source in load_config_layers(args.config, args.overrides).items():
             print(f"#   {key}: {source}")
     return 0
+
+
+def _reference(args: argparse.Namespace) -> int:
+    import sys
+    from pathlib import Path
+
+    from services.common.config import RunConfig
+    from services.common.config_reference import render
+
+    page = render(RunConfig)
+    if not args.check:
+        print(page, end="")
+        return 0
+    path = Path(args.check)
+    if path.is_file() and path.read_text() == page:
+        return 0
+    print(f"forage config reference: {path} is out of date; regenerate it: "
+          f"forage config reference > {path}", file=sys.stderr)
+    return 1

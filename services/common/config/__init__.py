@@ -71,9 +71,9 @@ ConfigPaths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None
 
 
 class RunConfig(Section):
-    run_id: str = "default"
-    run_dir: str = "runs/default"
-    log_level: str = "INFO"
+    run_id: str = "default"  # the run's name: log lines, trackers and report titles
+    run_dir: str = "runs/default"  # where the run's config.yaml, metrics.jsonl, samples and logs go
+    log_level: str = "INFO"  # Python logging level of every service (DEBUG, INFO, WARNING, ...)
     redis: RedisSection = Field(default_factory=RedisSection)
     retriever: RetrieverSection = Field(default_factory=RetrieverSection)
     rollout: RolloutSection = Field(default_factory=RolloutSection)

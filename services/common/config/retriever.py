@@ -12,14 +12,14 @@ from services.common.config.base import Section
 class RetrieverSection(Section):
     # Client side: where rollout replicas send /retrieve.
     url: str = "http://127.0.0.1:8000/retrieve"
-    topk: int = Field(default=3, ge=1)
-    timeout_s: float = Field(default=30.0, gt=0)
-    retries: int = Field(default=3, ge=0)
+    topk: int = Field(default=3, ge=1)  # passages returned per search
+    timeout_s: float = Field(default=30.0, gt=0)  # client: time limit of one /retrieve request
+    retries: int = Field(default=3, ge=0)  # client: further tries after a failed request
     # Server side.
-    index_dir: str | None = None
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
-    device: str = "cpu"
+    index_dir: str | None = None  # the index directory `build-index` wrote; `forage up` serves it
+    host: str = "127.0.0.1"  # server: bind address (0.0.0.0 in containers and pods)
+    port: int = Field(default=8000, ge=0, le=65535)  # server: HTTP port (0: any free port)
+    device: str = "cpu"  # where the encoder and the index run: cpu, cuda or cuda:N
     # Where each half runs; null = follow `device`, so a config that sets only `device` places
     # both as before. encoder_device: cpu, cuda or cuda:N (the query encoder, torch).
     # index_device: cpu, cuda or cuda:N, or cuda:all (= cuda: every visible GPU) for the FAISS
@@ -28,14 +28,15 @@ class RetrieverSection(Section):
     # them). A cuda placement needs a CUDA torch / a GPU faiss; without one the server refuses
     # to start (docs/retriever.md, "Placement").
     encoder_device: str | None = None
-    index_device: str | None = None
+    index_device: str | None = None  # the FAISS index's device (null: `device`)
+    # Several GPUs: shard the vectors between them or replicate the index.
     index_gpu_mode: Literal["shard", "replicate"] = "shard"
     # Query-time accuracy/speed of approximate indexes; null = what the build recorded in the
     # manifest (nprobe 32, efSearch 128). nprobe: IVF lists searched (IVF kinds); ef_search:
     # HNSW search breadth (HNSW kinds). Setting one the index lacks stops the server at start.
     # A request may also send its own `nprobe` / `efSearch` (docs/retriever.md).
     nprobe: int | None = Field(default=None, ge=1)
-    ef_search: int | None = Field(default=None, ge=1)
+    ef_search: int | None = Field(default=None, ge=1)  # HNSW search breadth (null: the build's)
     # Candidates per result re-ranked exactly, for an index built with `--refine`; null = the
     # build's (10). Setting it for an index without re-ranking stops the server at start.
     k_factor: int | None = Field(default=None, ge=1)
@@ -48,7 +49,7 @@ class RetrieverSection(Section):
     # on CUDA (Search-R1's `retrieval_use_fp16`), bfloat16 on a CPU with native bf16 arithmetic
     # (AVX-512 BF16 or AMX), else float32 (services/retriever/encoder.py, docs/retriever.md).
     query_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_batch: int = Field(default=64, ge=1)
+    max_batch: int = Field(default=64, ge=1)  # queries encoded and searched in one micro-batch
     # Micro-batches run at once, each on its own thread with threads/workers OpenMP threads;
     # 0 = auto: one per thread up to 8 on CPU, 1 on cuda (services/common/threads.py).
     workers: int = Field(default=0, ge=0)
@@ -60,18 +61,19 @@ class RetrieverSection(Section):
     # Search-R1's trainer sends one POST per turn with every active sample's query: 512 (PPO)
     # or 2560 (GRPO, 5 samples). Larger requests are answered in chunks of `max_batch`
     # queries, so memory stays bounded and other clients' requests interleave between chunks.
-    max_queries_per_request: int = Field(default=4096, ge=1)
-    max_topk: int = Field(default=100, ge=1)
+    max_queries_per_request: int = Field(default=4096, ge=1)  # most queries one POST may carry
+    max_topk: int = Field(default=100, ge=1)  # largest topk a request may ask for
     # queries × topk of one request: bounds the response (4096 queries at topk 16).
     max_results_per_request: int = Field(default=65536, ge=1)
-    max_query_chars: int = Field(default=2048, ge=1)
+    max_query_chars: int = Field(default=2048, ge=1)  # longest query accepted, in characters
     # Characters of all queries of one request together: bounds its encoder work (the cost
-    # grows with the text: 512 queries of 2046 characters took 64 s on CPU, issue 14). 262144
+    # grows with the text: 512 queries of 2046 characters took 64 s on CPU). 262144
     # holds Search-R1's 2560-query GRPO turn at 100 characters a query (11 s on one CPU
     # thread); a larger request is refused with 413 and Forage's rollout client splits it.
     # At least max_query_chars, so every legal query can be sent alone.
     max_request_chars: int = Field(default=262144, ge=1)
-    # 4096 queries of up to 2048 characters fit (about 8.4 MB of ASCII JSON).
+    # Largest request body accepted (413 above): 4096 queries of up to 2048 characters fit
+    # (about 8.4 MB of ASCII JSON).
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1)
 
     @field_validator("encoder_device", "index_device")

@@ -25,9 +25,9 @@ class ToolLimits(Section):
     `retries` are further attempts after a transient failure (OSError, ToolRetry, a lost MCP
     connection), never after a timeout or the tool's own error."""
 
-    timeout_s: float = Field(default=30.0, gt=0)
-    max_concurrency: int = Field(default=8, ge=1)
-    retries: int = Field(default=0, ge=0, le=10)
+    timeout_s: float = Field(default=30.0, gt=0)  # time limit of a call, retries included
+    max_concurrency: int = Field(default=8, ge=1)  # calls in flight at once per replica
+    retries: int = Field(default=0, ge=0, le=10)  # further attempts after a transient failure
 
 
 class UserTool(ToolLimits):
@@ -35,10 +35,10 @@ class UserTool(ToolLimits):
     `module:function`), loaded like a reward plug-in when the replica starts; `parameters` is
     the JSON schema of its keyword arguments (checked when the config loads)."""
 
-    function: str
+    function: str  # path/to/tools.py:function or module:function
     name: str = ""  # the name the model calls; default: the function's name
     description: str = ""  # default: the function's docstring, first paragraph
-    parameters: dict[str, Any]
+    parameters: dict[str, Any]  # JSON schema of its keyword arguments
 
     @model_validator(mode="after")
     def _check(self) -> UserTool:
@@ -94,12 +94,12 @@ class McpServer(ToolLimits):
     `env`) starts one over stdio, `url` reaches one over streamable HTTP. Its tools keep their
     own names, with `prefix` before each when given; limits apply to each of its tools."""
 
-    name: str
-    command: str = ""
-    args: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict)
-    url: str = ""
-    prefix: str = ""
+    name: str  # the server's name in logs and errors
+    command: str = ""  # stdio: the command that starts the server
+    args: list[str] = Field(default_factory=list)  # stdio: its arguments
+    env: dict[str, str] = Field(default_factory=dict)  # stdio: extra environment variables
+    url: str = ""  # streamable HTTP: the server's URL
+    prefix: str = ""  # put before each of its tool names
     # Only these tools of the server (empty: all it lists).
     include: list[str] = Field(default_factory=list)
     # Starting (or reaching) the server, the handshake and listing its tools.
@@ -135,10 +135,10 @@ class RetrievalCache(Section):
     (default: retriever.index_dir); `wait_s` bounds the wait for the retriever's /healthz when
     recording."""
 
-    mode: Literal["off", "record", "replay"] = "off"
-    path: str = ""
-    index: str = ""
-    wait_s: float = Field(default=120.0, gt=0)
+    mode: Literal["off", "record", "replay"] = "off"  # record or replay /retrieve results
+    path: str = ""  # the SQLite store of recorded results
+    index: str = ""  # index directory naming the index ("": retriever.index_dir)
+    wait_s: float = Field(default=120.0, gt=0)  # record: wait for the retriever's /healthz
 
     @field_validator("mode", mode="before")
     @classmethod
@@ -155,29 +155,30 @@ class RetrievalCache(Section):
 
 
 class RolloutSection(Section):
-    engine: Literal["transformers", "vllm"] = "transformers"
-    device: str = "cpu"
+    engine: Literal["transformers", "vllm"] = "transformers"  # the inference engine
+    device: str = "cpu"  # transformers engine: cpu, cuda or cuda:N
+    # Engine precision (auto: float32 on CPU, else the checkpoint's dtype).
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # Sequences one replica keeps in flight (vLLM: its max_num_seqs). The replica takes new
     # groups from the stream as its sequences finish, so the engine stays this full. Left
     # out (null): DEFAULT_MAX_BATCH_SIZE of the engine (vllm 256, transformers 32).
     max_batch_size: int = Field(default=None, ge=1, validate_default=True)  # type: ignore[assignment]
-    temperature: float = Field(default=1.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0)
-    max_turns: int = Field(default=4, ge=0)
-    max_tokens_per_turn: int = Field(default=500, ge=1)
-    max_obs_length: int = Field(default=500, ge=1)
-    max_response_length: int = Field(default=2048, ge=1)
-    max_prompt_length: int = Field(default=4096, ge=1)
-    use_search: bool = True
-    weight_poll_s: float = Field(default=1.0, gt=0)
-    heartbeat_s: float = Field(default=5.0, gt=0)
+    temperature: float = Field(default=1.0, ge=0)  # sampling temperature of training rollouts
+    top_p: float = Field(default=1.0, gt=0, le=1)  # nucleus sampling (1: off)
+    top_k: int = Field(default=0, ge=0)  # top-k sampling (0: off)
+    max_turns: int = Field(default=4, ge=0)  # search rounds before the final turn
+    max_tokens_per_turn: int = Field(default=500, ge=1)  # tokens one generation turn may produce
+    max_obs_length: int = Field(default=500, ge=1)  # tokens of one observation kept
+    max_response_length: int = Field(default=2048, ge=1)  # policy + observation tokens
+    max_prompt_length: int = Field(default=4096, ge=1)  # prompt tokens kept (the last ones)
+    use_search: bool = True  # false: single-turn tasks
+    weight_poll_s: float = Field(default=1.0, gt=0)  # how often to ask for new weights
+    heartbeat_s: float = Field(default=5.0, gt=0)  # heartbeat period
     # Bind address of the replica's /metrics and /healthz server (0 port: any free port).
     # 127.0.0.1 serves this machine only; containers and pods need 0.0.0.0 (deploy configs).
     host: str = "127.0.0.1"
-    metrics_port: int = Field(default=0, ge=0, le=65535)
-    seed: int = 0
+    metrics_port: int = Field(default=0, ge=0, le=65535)  # /metrics and /healthz port (0: any free)
+    seed: int = 0  # sampling seed
     # Stop strings of a policy turn (Search-R1's); math tasks without tags can set [].
     stop_strings: list[str] = Field(default_factory=lambda: ["</search>", "</answer>"])
     # How the policy acts (docs/rollout.md, "Tool calls"): "tags" is Search-R1's free text
@@ -207,24 +208,26 @@ class RolloutSection(Section):
     # other replicas dial ("": this host's name, resolved: the pod's or container's IP), and how
     # long a held version stays served without readers (its host-memory copy is then freed).
     weight_relay: Literal["auto", "off"] = "auto"
-    weight_relay_host: str = ""
-    weight_relay_port: int = Field(default=0, ge=0, le=65535)
-    weight_relay_advertise: str = ""
-    weight_relay_hold_s: float = Field(default=300.0, gt=0)
+    weight_relay_host: str = ""  # relay bind host ("": rollout.host)
+    weight_relay_port: int = Field(default=0, ge=0, le=65535)  # relay port (0: any free)
+    weight_relay_advertise: str = ""  # host other replicas dial ("": this host's name)
+    weight_relay_hold_s: float = Field(default=300.0, gt=0)  # unread version served this long
     # How long a starting replica waits for the learner's first weights before giving up.
     weight_wait_s: float = Field(default=600.0, gt=0)
-    heartbeat_ttl_s: float = Field(default=15.0, gt=0)
+    heartbeat_ttl_s: float = Field(default=15.0, gt=0)  # heartbeat key lifetime
     # Backoff base between /retrieve retries (doubles each retry; count is retriever.retries).
     retrieve_backoff_s: float = Field(default=0.25, ge=0)
     # vLLM engine (rollout.engine: vllm; docs/rollout.md). max_batch_size is vLLM's max_num_seqs
-    # and dtype its dtype. Fraction of each GPU vLLM may take for weights + KV cache: vLLM's
-    # default, for a rollout that has its GPU(s) to itself; lower it where a GPU is shared.
+    # and dtype its dtype.
+
+    # Fraction of each GPU vLLM may take for weights + KV cache: vLLM's default, for a rollout
+    # that has its GPU(s) to itself; lower it where a GPU is shared.
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     # KV cache size in GiB (vLLM's kv_cache_memory_bytes). 0: on a GPU vLLM sizes it from
     # gpu_memory_utilization; on a machine without CUDA Forage takes 2 GiB, since vLLM's CPU
     # backend would otherwise reserve gpu_memory_utilization of the host's whole RAM.
     kv_cache_gib: float = Field(default=0.0, ge=0)
-    tensor_parallel_size: int = Field(default=1, ge=1)
+    tensor_parallel_size: int = Field(default=1, ge=1)  # vLLM: GPUs one replica spans
     # Eager mode skips CUDA-graph capture (faster start, less memory, slower decoding).
     enforce_eager: bool = False
     # Multi-turn: later turns reuse the earlier turns' KV blocks (reset after every update).
