@@ -91,14 +91,21 @@ def _redis_failure(exc: BaseException) -> Failure | None:
         return None
     import redis
 
+    from services.common.redis_connect import RedisAuthConfigError
     from services.common.redis_server import RedisUnavailable
 
     said = " ".join(str(exc).split())
     if isinstance(exc, RedisUnavailable):
         return Failure(said, TEMPORARY_FAILURE)
+    if isinstance(exc, RedisAuthConfigError):
+        return Failure(said, USAGE_ERROR)
     if isinstance(exc, redis.exceptions.AuthenticationError):
-        return Failure(f"Redis refused the credentials: {said} (the password in redis.url or "
-                       "REDIS_URL)", USAGE_ERROR)
+        return Failure(f"Redis refused the credentials: {said} (redis.username and "
+                       "redis.passfile, REDIS_USERNAME and REDIS_PASSWORD_FILE, or the user "
+                       "and password in redis.url)", USAGE_ERROR)
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return Failure(f"Redis refused a command: {said} (this service runs as an ACL user "
+                       "without that permission: check redis.username)", USAGE_ERROR)
     if isinstance(exc, redis.exceptions.ConnectionError | redis.exceptions.TimeoutError):
         return Failure(f"Redis does not answer: {said} (redis.url or REDIS_URL)",
                        TEMPORARY_FAILURE)

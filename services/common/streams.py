@@ -413,9 +413,26 @@ def settings_from_config(cfg: RedisSection) -> dict[str, Any]:
 
 def resolve_server(cfg: RedisSection) -> RedisServer:
     """The Redis a config points at: redis.url, REDIS_URL, the default, or an embedded one."""
-    from services.common.redis_server import ensure_redis
+    from services.common.redis_server import DEFAULT_URL, ensure_redis
 
-    return ensure_redis(cfg.url or os.environ.get("REDIS_URL"), allow_embedded=cfg.embedded)
+    url = cfg.url or os.environ.get("REDIS_URL")
+    return ensure_redis(url, allow_embedded=cfg.embedded,
+                        options=auth_options(cfg, url or DEFAULT_URL))
+
+
+def auth_options(cfg: RedisSection, url: str) -> dict[str, Any]:
+    """Credentials and TLS for `url` (services/common/redis_connect.py)."""
+    from services.common.redis_connect import connection_options
+
+    return connection_options(cfg, url)
+
+
+def connect(cfg: RedisSection, client_class: Any = redis.Redis) -> tuple[Any, RedisServer]:
+    """A client of the Redis `cfg` names (credentials and TLS included; an embedded server
+    needs neither) and that server."""
+    server = resolve_server(cfg)
+    options = {} if server.embedded else auth_options(cfg, server.url)
+    return client_class.from_url(server.url, **client_options(cfg), **options), server
 
 
 def client_options(cfg: RedisSection) -> dict[str, Any]:
@@ -482,8 +499,7 @@ class StreamsBase:
 
     @classmethod
     def from_config(cls: type[_S], redis_cfg: RedisSection) -> _S:
-        server = resolve_server(redis_cfg)
-        client = cls._client_class.from_url(server.url, **client_options(redis_cfg))
+        client, server = connect(redis_cfg, cls._client_class)
         return cls(
             client, **settings_from_config(redis_cfg), server=server if server.embedded else None
         )
@@ -504,6 +520,8 @@ class RedisStreams(StreamsBase):
         for attempt in range(s.retry_attempts):
             try:
                 return fn()
+            except redis.AuthenticationError:
+                raise  # wrong credentials stay wrong: no point retrying them
             except RETRYABLE as exc:
                 if attempt + 1 >= s.retry_attempts:
                     raise s.give_up(op, exc) from exc

@@ -66,6 +66,8 @@ class AsyncRedisStreams(StreamsBase):
         for attempt in range(s.retry_attempts):
             try:
                 return await fn()
+            except redis.AuthenticationError:
+                raise  # wrong credentials stay wrong: no point retrying them
             except RETRYABLE as exc:
                 if attempt + 1 >= s.retry_attempts:
                     raise s.give_up(op, exc) from exc

@@ -34,6 +34,10 @@ from services.launch.supervisor import ServiceFailed, ServiceSpec, Supervisor, f
 
 log = logging.getLogger("forage.launch")
 
+# Credentials and TLS of a Redis the user runs; an embedded one needs none of them.
+REDIS_AUTH_KEYS = ("username", "passfile", "tls_ca_file", "tls_cert_file", "tls_key_file")
+REDIS_AUTH_VARIABLES = ("REDIS_USERNAME", "REDIS_PASSWORD_FILE")
+
 
 def resolve_config(cfg: RunConfig, redis_url: str, rollouts: int,
                    allocator: PortAllocator | None = None) -> tuple[RunConfig, list[int]]:
@@ -142,13 +146,18 @@ def run_up(
 ) -> int:
     """Run every service until the learner finishes; returns the learner's exit code (130 on
     Ctrl-C). `on_tick` runs about twice a second (progress printing, fault drills)."""
-    from services.common.redis_server import ensure_redis
+    from services.common.redis_server import DEFAULT_URL, ensure_redis
+    from services.common.streams import auth_options
 
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    redis_server = ensure_redis(cfg.redis.url, allow_embedded=cfg.redis.embedded)
+    redis_server = ensure_redis(cfg.redis.url, allow_embedded=cfg.redis.embedded,
+                                options=auth_options(cfg.redis, cfg.redis.url or DEFAULT_URL))
     if redis_server.embedded:
         log.info("started an embedded Redis at %s for this run", redis_server.url)
+        # It has no users and no TLS: the children connect to it without credentials.
+        cfg = cfg.model_copy(update={"redis": cfg.redis.model_copy(update=dict.fromkeys(
+            REDIS_AUTH_KEYS))})
     allocator = PortAllocator()
     resolved, ports = resolve_config(cfg, redis_server.url, rollouts, allocator)
     config_path = write_config(resolved, run_dir / "config.yaml")
@@ -159,6 +168,9 @@ def run_up(
     env = child_environ(os.environ, share=children_share(rollouts,
                                                          retriever=bool(cfg.retriever.index_dir)))
     env["REDIS_URL"] = redis_server.url
+    if redis_server.embedded:
+        for variable in REDIS_AUTH_VARIABLES:
+            env.pop(variable, None)
     env.pop(SECRETS_VARIABLE, None)  # config.yaml has its secrets redacted: they go here
     env.update(secrets_environ(resolved))
     supervisor = Supervisor(run_dir, env=env)

@@ -154,8 +154,6 @@ class RolloutWorker:
     # ------------------------------------------------------------------ lifecycle
 
     def run(self) -> int:
-        import redis
-
         from services.common.streams import RedisStreams
 
         signal.signal(signal.SIGTERM, self._on_signal)
@@ -165,7 +163,8 @@ class RolloutWorker:
                                       healthy=lambda: not self.stopping, service=self.name)
         log.info("replica %s: metrics on %s:%d", self.name, server.host, server.port)
         self._streams = RedisStreams.from_config(self.config.redis)
-        self._redis = redis.Redis.from_url(self._redis_url())
+        # The heartbeat goes through the streams' client: the same server and credentials.
+        self._redis = self._streams.client
         self._streams.ensure_group("prompts")
         if self.config.rollout.weight_sync:
             self._wait_for_first_weights()
@@ -194,10 +193,6 @@ class RolloutWorker:
     def _on_signal(self, signum: int, frame: Any) -> None:
         log.info("signal %d: finishing the groups in hand, then exiting", signum)
         self.stopping = True
-
-    def _redis_url(self) -> str:
-        return (self.config.redis.url or os.environ.get("REDIS_URL")
-                or "redis://127.0.0.1:6379/0")
 
     def _groups_per_batch(self) -> int:
         """Groups an idle replica reads at once: as many as fill the engine."""

@@ -147,6 +147,8 @@ def load_config_layers(
 # process's command line (visible in `ps`).
 ENVIRONMENT_KEYS: dict[str, list[str]] = {
     "REDIS_URL": ["redis", "url"],
+    "REDIS_USERNAME": ["redis", "username"],
+    "REDIS_PASSWORD_FILE": ["redis", "passfile"],
     "FORAGE_WEIGHT_SYNC_TOKEN": ["learner", "weight_sync_token"],
 }
 

