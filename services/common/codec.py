@@ -88,6 +88,8 @@ def encode(record: Record) -> bytes:
             "sampling": record.sampling,
             "attempt": record.attempt,
         }
+        if record.namespace:  # only when set: a record without it stays byte-identical
+            body["namespace"] = record.namespace
     else:
         raise CodecError(f"cannot encode {type(record).__name__}")
     for name in ("ground_truth", "extra"):
@@ -129,6 +131,8 @@ def _trajectory_to_map(traj: Trajectory) -> dict[str, Any]:
         # Only when probed (probe.evidence): a record without it stays byte-identical.
         body["evidence"] = {"samples": {str(k): list(v) for k, v in traj.evidence.samples.items()},
                             "donor": traj.evidence.donor}
+    if traj.namespace:  # only when set: older decoders ignore it, older records lack it
+        body["namespace"] = traj.namespace
     if any(t.docs for t in traj.turns):
         # Beside `turns`, not in them: decoders that predate it ignore the key, so a new
         # rollout can feed an old scorer/learner (forage.trajectory/1 stays readable both ways).
@@ -360,6 +364,7 @@ def _read_prompt_group(f: _Fields) -> PromptGroup:
         kind=f.choice("kind", ("train", "eval"), default="train"),
         sampling=sampling,
         attempt=f.int("attempt", default=0),
+        namespace=f.str("namespace", optional=True) or "",
     )
 
 
@@ -417,6 +422,7 @@ def _read_trajectory(f: _Fields) -> Trajectory:
         error=f.str("error", optional=True),
         protocol=f.choice("protocol", PROTOCOLS, default="tags"),
         evidence=_read_evidence(f),
+        namespace=f.str("namespace", optional=True) or "",
     )
 
 

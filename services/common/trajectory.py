@@ -55,6 +55,9 @@ class PromptGroup:
     sampling: dict[str, float] = field(default_factory=dict)
     # How many times the learner has issued this group (re-issues after a timeout count up).
     attempt: int = 0
+    # The run that issued it (the learner's redis.namespace; "" from issuers that predate the
+    # field). Rollout copies it onto each trajectory, so the learner can refuse another run's.
+    namespace: str = ""
 
 
 @dataclass
@@ -115,6 +118,8 @@ class Trajectory:
     protocol: Protocol = "tags"
     # The evidence-reliance probe's rewrites (None: not probed; older records have none).
     evidence: EvidenceProbe | None = None
+    # The run whose group this plays (its PromptGroup's namespace; "" when the group had none).
+    namespace: str = ""
 
     def __post_init__(self) -> None:
         self.prompt_ids = int_array(self.prompt_ids)

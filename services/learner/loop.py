@@ -77,15 +77,18 @@ from services.learner.checkpoint import (
     save_checkpoint,
     trim_metrics,
 )
-from services.learner.loop_state import GroupLedger, baseline_uid, sample_index
+from services.learner.loop_state import BASELINE_SUFFIX, GroupLedger, baseline_uid, sample_index
 from services.learner.packing import Sample
 from services.learner.prompts import (
     PromptSource,
     check_dataset_sources,
     eval_subset,
+    eval_uid,
+    eval_uid_issued,
     group_from_row,
     load_dataset,
 )
+from services.learner.provenance import refusal
 from services.learner.rl_batch import (
     apply_rollout_correction,
     assign_advantages,
@@ -475,7 +478,8 @@ class LearnerLoop:
 
     def _train_group(self, uid: str, row_index: int, attempt: int, version_min: int) -> Any:
         return group_from_row(self.train_rows[row_index], uid, self.cfg.data.n_samples,
-                              policy_version_min=version_min, attempt=attempt)
+                              policy_version_min=version_min, attempt=attempt,
+                              namespace=self.streams.namespace)
 
     @property
     def _greedy_baselines(self) -> bool:
@@ -487,7 +491,7 @@ class LearnerLoop:
         under `baseline_uid(uid)`; the ledger holds it beside the group, never trains on it."""
         return group_from_row(self.train_rows[row_index], baseline_uid(uid), 1,
                               policy_version_min=version_min, attempt=attempt,
-                              sampling={"temperature": 0.0})
+                              sampling={"temperature": 0.0}, namespace=self.streams.namespace)
 
     def _issue(self, version_min: int | None = None) -> int:
         """Re-issue what is due, then admit new groups up to the capacity."""
@@ -535,8 +539,14 @@ class LearnerLoop:
                 self.streams.dead_letter("scored", message, f"undecodable: {exc}")
                 M.TRAJECTORIES.labels("dead_letter").inc()
                 continue
-            ids.append(message.id)
             traj = item.trajectory
+            refused = refusal(traj, namespace=self.streams.namespace,
+                              current_version=self.version, issued=self._issued)
+            if refused is not None:  # dead-lettered (and acked) alone; the rest go on
+                self.streams.dead_letter("scored", message, str(refused))
+                M.TRAJECTORIES.labels(self.ledger.refuse(refused.reason)).inc()
+                continue
+            ids.append(message.id)
             if traj.kind == "eval":
                 self._take_eval(item)
                 continue
@@ -555,6 +565,17 @@ class LearnerLoop:
             for kind in ("prompts", "rollouts", "scored"):
                 M.STREAM_LAG.labels(kind).set(self.streams.lag(kind))
         return len(messages)
+
+    def _issued(self, uid: str, kind: str) -> bool:
+        """Whether this run issued the group `uid` of `kind` (provenance.refusal): a training
+        group (or, with ReMax, its greedy baseline) the prompt cursor has handed out, or an
+        evaluation question of a version not newer than the current one."""
+        assert self.source is not None
+        if kind == "eval":
+            return eval_uid_issued(uid, self.version, len(self.test_rows))
+        if self._greedy_baselines and uid.endswith(BASELINE_SUFFIX):
+            uid = uid[: -len(BASELINE_SUFFIX)]
+        return self.source.issued(uid)
 
     def _filter_ready(self) -> None:
         """Drop complete groups whose rewards are all equal (learner.algorithm.filter_groups)."""
@@ -906,13 +927,14 @@ class LearnerLoop:
         step, version = self.state.step, self.version
         started = time.monotonic()
         chosen = eval_subset(self.test_rows, self.learner.eval_max_questions)
-        uids = [f"eval-v{version}-{i}" for i in chosen]
+        uids = [eval_uid(version, i) for i in chosen]
         samples, temperature = self.learner.eval_samples, self.learner.eval_temperature
         # top_p 1 and top_k off: the policy's own distribution at that temperature (verl's
         # val_kwargs); without a temperature the replica plays eval groups greedily
         sampling = {"temperature": temperature, "top_p": 1.0, "top_k": 0} if temperature else {}
         groups = [group_from_row(self.test_rows[i], uid, samples, kind="eval",
-                                 policy_version_min=version, sampling=sampling)
+                                 policy_version_min=version, sampling=sampling,
+                                 namespace=self.streams.namespace)
                   for uid, i in zip(uids, chosen, strict=True)]
         self.eval_results = {}
         self.eval_pending = set(uids)

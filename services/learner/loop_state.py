@@ -30,6 +30,9 @@ Rules (issue 7, "The loop"):
   again would only queue a second copy behind the first.
 * Trajectories for uids not in flight (never issued, already trained, or dropped) are ignored and
   counted in ``unknown``; sample ids whose index is not an integer in [0, n) in ``malformed``.
+  The loop refuses records it never issued, another run's and ones from a future policy
+  version before they reach the ledger (provenance.py); ``refuse`` counts them here
+  (``refused_<reason>``), so they appear beside the other outcomes and survive a resume.
 * Errors: a trajectory that failed for a reason outside the policy (finish_reason ``error``,
   e.g. the retriever was unreachable) is not trained on; ``reject`` counts it and flags its group
   for re-issue (reason ``error``), within the same attempt limit.
@@ -72,6 +75,9 @@ COUNTERS: tuple[str, ...] = (
     "malformed",  # trajectories whose sample id has no valid index
     "errors",  # trajectories rejected as failed outside the policy (e.g. retriever down)
     "discarded_on_resume",  # held trajectories forgotten by a checkpoint round trip
+    "refused_namespace",  # trajectories naming another run (provenance.py)
+    "refused_future_version",  # trajectories claiming a policy version not trained yet
+    "refused_not_issued",  # trajectories for groups this run never issued
 )
 
 
@@ -307,6 +313,15 @@ class GroupLedger:
             record.reissue_reason = record.reissue_reason or "error"
         self.counters[outcome] += 1
         return outcome
+
+    def refuse(self, reason: str) -> str:
+        """Count a trajectory the loop refused before offering it (provenance.REFUSALS);
+        returns the counter's name."""
+        name = f"refused_{reason}"
+        if name not in self.counters:
+            raise ValueError(f"unknown refusal reason {reason!r}")
+        self.counters[name] += 1
+        return name
 
     def advance(self, version: int) -> int:
         """Set the current policy version; drop held samples now beyond the bound.

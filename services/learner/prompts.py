@@ -9,6 +9,7 @@ a log line be traced back to the dataset.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -53,6 +54,24 @@ def eval_subset(rows: Sequence[dict[str, Any]], cap: int) -> list[int]:
     return sorted(chosen)
 
 
+_TRAIN_UID = re.compile(r"e(\d+)-r(\d+)")
+_EVAL_UID = re.compile(r"eval-v(\d+)-(\d+)")
+
+
+def eval_uid(version: int, row: int) -> str:
+    """The uid of test row `row` in the evaluation of policy version `version`."""
+    return f"eval-v{version}-{row}"
+
+
+def eval_uid_issued(uid: str, current_version: int, n_rows: int) -> bool:
+    """Whether `uid` can be a question of one of this run's evaluations so far: an eval uid
+    of a version not newer than the current one and a row of the test set. Evaluations are
+    not checkpointed, so the test is the uid's form, not a record of each one."""
+    match = _EVAL_UID.fullmatch(uid)
+    return (match is not None and uid == eval_uid(int(match[1]), int(match[2]))
+            and int(match[1]) <= current_version and int(match[2]) < n_rows)
+
+
 def ground_truth_of(row: dict[str, Any]) -> Any:
     """verl's `reward_model.ground_truth` (the whole reward_model when it has none)."""
     reward_model = row.get("reward_model") or {}
@@ -70,6 +89,7 @@ def group_from_row(
     policy_version_min: int = 0,
     attempt: int = 0,
     sampling: dict[str, float] | None = None,
+    namespace: str = "",
 ) -> PromptGroup:
     extra = dict(row.get("extra_info") or {})
     return PromptGroup(
@@ -83,6 +103,7 @@ def group_from_row(
         kind=kind,  # type: ignore[arg-type]
         sampling=dict(sampling or {}),
         attempt=attempt,
+        namespace=namespace,
     )
 
 
@@ -98,12 +119,14 @@ class PromptSource:
         self.epoch = 0
         self.position = 0
         self._order = epoch_order(len(rows), seed, 0, shuffle)
+        self._places: dict[int, int] | None = None  # row -> place in this epoch's order
 
     def next(self) -> tuple[str, int]:
         if self.position >= len(self._order):
             self.epoch += 1
             self.position = 0
             self._order = epoch_order(len(self.rows), self.seed, self.epoch, self.shuffle)
+            self._places = None
         index = self._order[self.position]
         self.position += 1
         return f"e{self.epoch}-r{index}", index
@@ -118,6 +141,23 @@ class PromptSource:
         self.epoch = int(cursor.get("epoch", 0))
         self.position = int(cursor.get("position", 0))
         self._order = epoch_order(len(self.rows), self.seed, self.epoch, self.shuffle)
+        self._places = None
+
+    def issued(self, uid: str) -> bool:
+        """Whether `next` has handed out `uid` since the run began: a row of an earlier epoch,
+        or one before the cursor in this epoch. The cursor is checkpointed, so after a resume
+        this still holds for the groups issued up to the checkpoint."""
+        match = _TRAIN_UID.fullmatch(uid)
+        if match is None:
+            return False
+        epoch, row = int(match[1]), int(match[2])
+        if uid != f"e{epoch}-r{row}" or row >= len(self.rows) or epoch > self.epoch:
+            return False
+        if epoch < self.epoch:
+            return True
+        if self._places is None:
+            self._places = {r: place for place, r in enumerate(self._order)}
+        return self._places[row] < self.position
 
 
 def check_dataset_sources(cfg: Any) -> set[str]:

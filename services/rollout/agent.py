@@ -869,4 +869,5 @@ class AgentLoop:
             error=state.error,
             protocol=self.settings.protocol,
             evidence=state.evidence,
+            namespace=group.namespace,  # the issuing run: the learner refuses another run's
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import httpx
@@ -127,7 +128,7 @@ def test_group_samples_share_uid_and_lockstep_equals_continuous(engine, retrieve
     scripts = [[TURN_ANSWER], [TURN_SEARCH, TURN_ANSWER], [TURN_SEARCH, TURN_SEARCH, TURN_ANSWER],
                [TURN_INVALID, TURN_SEARCH, TURN_ANSWER]]
     scripted(engine, scripts)
-    groups = [group(n=4, uid="a"), group(n=3, uid="b")]
+    groups = [group(n=4, uid="a"), dataclasses.replace(group(n=3, uid="b"), namespace="run-1")]
     done = []
     continuous = loop(engine, retriever_url).run(groups, on_group_done=lambda g, t: done.append(
         (g.uid, len(t))))
@@ -135,6 +136,7 @@ def test_group_samples_share_uid_and_lockstep_equals_continuous(engine, retrieve
     lockstep = loop(engine, retriever_url, scheduling="lockstep").run(groups)
     assert sorted(done) == [("a", 4), ("b", 3)]
     assert [t.uid for t in continuous] == ["a"] * 4 + ["b"] * 3
+    assert [t.namespace for t in continuous] == [""] * 4 + ["run-1"] * 3  # the issuing run's
     assert len({t.sample_id for t in continuous}) == 7
     for a, b in zip(continuous, lockstep, strict=True):
         assert a.response_ids.tolist() == b.response_ids.tolist()
