@@ -65,13 +65,15 @@ def test_variant_validates_and_both_renderers_agree(deploy, variant, variant_roo
 
 def test_only_the_learner_changes(deploy, variant, rendered):
     """Every object of the default run is there unchanged, except the learner StatefulSet and
-    the `learner` Service; the component adds the nodes' Service and the checkpoint claim."""
+    the `learner` Service; the component adds the nodes' Service, the checkpoint claim and
+    the learner pods' network policy (test_network_policies.py checks what it allows)."""
     key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
     default, multi = {key(o): o for o in rendered}, {key(o): o for o in variant}
     changed = {k for k in default if default[k] != multi.get(k)}
     assert changed == {("StatefulSet", STS), ("Service", "learner")}
     assert set(multi) - set(default) == {("Service", "learner-nodes"),
-                                         ("PersistentVolumeClaim", "forage-learner-checkpoints")}
+                                         ("PersistentVolumeClaim", "forage-learner-checkpoints"),
+                                         ("NetworkPolicy", "forage-learner-peers")}
     # the learner keeps its image, arguments, probes and mounts; only the launcher differs
     (_, before), (_, after) = _learner(deploy, rendered), _learner(deploy, variant)
     for field in ("image", "args", "startupProbe", "readinessProbe", "livenessProbe",
