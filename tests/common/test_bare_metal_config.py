@@ -53,9 +53,9 @@ def test_every_address_is_loopback() -> None:
     wrong = [(key, value) for key, value in addresses if value not in (None, "")
              and not is_loopback(urlparse(value).hostname if "://" in value else value)]
     assert not wrong, f"addresses that leave this machine or name a container: {wrong}"
-    # "" advertise = this host's name, which a replica bound to 127.0.0.1 does not answer on
-    assert cfg["rollout"]["weight_relay_advertise"]
+    # "" relay host and advertise: the relay binds rollout.host and other replicas dial that
     assert cfg["rollout"]["weight_relay_host"] in ("", cfg["rollout"]["host"])
+    assert cfg["rollout"]["weight_relay_advertise"] in ("", cfg["rollout"]["host"])
 
 
 def test_paths_are_under_data_and_runs() -> None:
