@@ -10,7 +10,8 @@ output for the shipped config). With `--out DIR` it writes what a deployment mou
 - `<role>.password`: one role's password, for the service running as that role
   (`redis.passfile`, REDIS_PASSWORD_FILE);
 - `exporter.json`: the exporter's password keyed by the Redis addresses it scrapes
-  (redis_exporter's REDIS_PASSWORD_FILE format).
+  (redis_exporter's REDIS_PASSWORD_FILE format);
+- `autoscaler.username`: KEDA's TriggerAuthentication reads the user name from the Secret.
 
 DIR is made private (0700): the files in it are readable by every user (0644), because compose
 bind-mounts them into containers that run as other users (Forage's 1000, redis, the exporter's
@@ -57,6 +58,8 @@ def secret_files(namespace: str, passwords: dict[str, str],
 
     files = {ACL_FILE: render_acl(namespace, {r: password_hash(p) for r, p in passwords.items()})}
     files.update({f"{role}.password": f"{password}\n" for role, password in passwords.items()})
+    if "autoscaler" in passwords:  # KEDA takes the user name from a Secret key too
+        files["autoscaler.username"] = "autoscaler\n"
     if "exporter" in passwords:
         files[EXPORTER_FILE] = json.dumps(dict.fromkeys(exporter_addresses,
                                                         passwords["exporter"]), indent=2) + "\n"

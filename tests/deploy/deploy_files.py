@@ -410,7 +410,11 @@ def render(directory: Path = K8S_ROOT) -> list[dict[str, Any]]:
 
 # Custom resources the manifests use, validated against the schema their project publishes
 # (vendored under tests/deploy/schemas/, with where it came from).
-CRD_SCHEMAS = {("keda.sh/v1alpha1", "ScaledObject"): "keda-v2.20.2-scaledobject.json"}
+CRD_SCHEMAS = {
+    ("keda.sh/v1alpha1", "ScaledObject"): "keda-v2.20.2-scaledobject.json",
+    ("keda.sh/v1alpha1", "TriggerAuthentication"):
+        "keda-v2.20.2-triggerauthentication-secrettargetref.json",
+}
 
 
 def strict_crd_schema(schema: Any) -> Any:
