@@ -88,7 +88,7 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/forage demo
 
-# The docs site (mkdocs.yml) on http://127.0.0.1:8000, rebuilt when a page changes.
+# The docs site (mkdocs.yml) on http://127.0.0.1:8040, rebuilt when a page changes.
 # NO_MKDOCS_2_WARNING: Material's banner about its successor, printed on every start.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
