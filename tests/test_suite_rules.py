@@ -194,10 +194,14 @@ def test_under_ci_a_package_missing_at_import_is_a_collection_error(inner) -> No
     assert "missing package: forage_no_such_module" in result.stdout.str()
 
 
-def test_over_budget_fails_a_ci_session_unless_allowed(inner) -> None:
+@pytest.mark.parametrize("workers", [[], ["-p", "xdist.plugin", "-n", "2"]],
+                         ids=["serial", "two-workers"])
+def test_over_budget_fails_a_ci_session_unless_allowed(inner, workers) -> None:
+    """Also in a parallel run, where the controller that judges sees only the workers' reports
+    (the shared fixture's time and the allow_slow reason travel on them)."""
     pytester, run = inner
     pytester.makepyfile(test_budget=BUDGET)
-    result = run(True, False)
+    result = run(True, False, *workers)
     result.assert_outcomes(passed=5)  # every test passes; the session fails
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     out = result.stdout.str()

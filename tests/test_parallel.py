@@ -1,0 +1,84 @@
+"""The parallel run's helpers (tests/parallel.py, tests/deploy/image_build.py): file order,
+one build for all workers, and a worker attaching to the controller's image build."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+from tests import parallel
+from tests.deploy import image_build
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _items(*nodeids: str) -> list[SimpleNamespace]:
+    return [SimpleNamespace(nodeid=nodeid) for nodeid in nodeids]
+
+
+def test_heaviest_files_first_keeping_each_files_order() -> None:
+    items = _items("tests/a.py::t1", "tests/b.py::t1", "tests/a.py::t2", "tests/c.py::t1",
+                   "tests/b.py::t2", "tests/d.py::t1")
+    parallel.heaviest_first(items, {"tests/b.py": 90.0, "tests/c.py": 200.0, "tests/a.py": 5.0})
+    assert [item.nodeid for item in items] == [
+        "tests/c.py::t1", "tests/b.py::t1", "tests/b.py::t2", "tests/a.py::t1",
+        "tests/a.py::t2", "tests/d.py::t1"]
+
+
+def test_file_seconds_name_files_that_exist() -> None:
+    seconds = parallel.load_file_seconds()
+    assert seconds, "tests/file_seconds.json is missing or empty"
+    missing = [name for name in seconds if not (REPO / name).is_file()]
+    assert len(missing) <= len(seconds) // 10, f"stale entries (refresh it): {missing}"
+
+
+def test_built_once_across_processes(tmp_path: Path) -> None:
+    """Two processes ask for the same folder at once: one builds, the other reuses it."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from types import SimpleNamespace
+        sys.path.insert(0, {str(REPO)!r})
+        from tests import parallel
+        base = Path(sys.argv[1])
+        factory = SimpleNamespace(getbasetemp=lambda: base)
+        config = SimpleNamespace(workerinput={{}})
+        def build(out):
+            out.mkdir()
+            with open(out.parent / "builds.log", "a") as log:
+                log.write(sys.argv[2] + "\\n")
+            time.sleep(1.0)
+            (out / "model").write_text("ok")
+        print(parallel.built_once(factory, config, "thing", build))
+    """)
+    workers = [tmp_path / "gw0", tmp_path / "gw1"]
+    for worker in workers:
+        worker.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(w), w.name],
+                              stdout=subprocess.PIPE, text=True) for w in workers]
+    outs = [proc.communicate(timeout=60)[0].strip() for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs)
+    assert outs == [str(tmp_path / "thing")] * 2
+    assert len((tmp_path / "builds.log").read_text().split()) == 1
+    assert (tmp_path / "thing" / "model").read_text() == "ok"
+
+
+def test_a_worker_attaches_to_the_controllers_engine(tmp_path: Path) -> None:
+    path = image_build.state_path(tmp_path)
+    engine, error = image_build.attach(tmp_path, timeout=5, start_grace_s=0)
+    assert engine is None and "no image build was started" in error
+
+    path.write_text(json.dumps({"status": "failed", "error": "build-offline.sh failed (1)"}))
+    assert image_build.attach(tmp_path, timeout=5) == (None, "build-offline.sh failed (1)")
+
+    root = tmp_path / "dockerd" / "overlay"
+    path.write_text(json.dumps({"status": "ready", "root": str(root),
+                                "storage_driver": "overlay2"}))
+    engine, error = image_build.attach(tmp_path, timeout=5)
+    assert error is None
+    assert engine.env["DOCKER_HOST"] == f"unix://{root / 'docker.sock'}"
+    assert engine.proc is None  # attached, never started (or stopped) by this process
