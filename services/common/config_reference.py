@@ -90,6 +90,7 @@ KEY_READERS: dict[str, tuple[str, ...]] = {
     "learner.weight_sync_host": ("rollout",),
     "learner.weight_sync_port": ("learner", "rollout", "up"),
     "learner.weight_sync_token": ("learner", "rollout"),
+    "learner.weight_sync_tls_ca_file": ("learner", "rollout"),
     "learner.metrics_port": ("learner", "up"),
     "learner.lora.publish": ("learner", "rollout"),
     "learner.eval_max_questions": ("learner", "eval"),

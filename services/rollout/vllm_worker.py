@@ -101,7 +101,8 @@ class WorkerWeightLoader:
 
         plan = plan or {}
         relay = self._relay_for(plan, token)
-        key = (address, token, bool(plan.get("relays")), id(relay))
+        key = (address, token, bool(plan.get("relays")), id(relay), plan.get("tls_ca"),
+               plan.get("tls_name"))
         if self._client is None or self._client_key != key:
             if self._client is not None:
                 self._client.close()
@@ -118,7 +119,7 @@ class WorkerWeightLoader:
 
         share = str(plan.get("share") or "")
         key = (bool(plan.get("relays")), plan.get("host"), plan.get("port"),
-               plan.get("advertise"), share, token)
+               plan.get("advertise"), share, token, plan.get("tls_cert"), plan.get("tls_key"))
         if self._relay is not None and self._relay_key != key:
             self._relay.stop()
             self._relay = None
@@ -154,7 +155,9 @@ class WorkerWeightLoader:
                     log.warning("rank %s: reading v%d from rank 0 (%s) failed (%s); fetching "
                                 "it from the learner", self.rank, version, share, exc)
                     break
-            return self._client_for(address, token).fetch_with_metadata(version)
+            # straight from the learner: no relays, the same TLS
+            direct = {k: v for k, v in plan.items() if k in ("tls_ca", "tls_name")}
+            return self._client_for(address, token, direct).fetch_with_metadata(version)
         return self._client_for(address, token, plan).fetch_with_metadata(version)
 
     def stage(self, version: int, address: str, token: str = "",

@@ -167,6 +167,7 @@ class RolloutWorker:
         self._redis = self._streams.client
         self._streams.ensure_group("prompts")
         if self.config.rollout.weight_sync:
+            self._client()  # a TLS file or setting that cannot work stops the replica here
             self._wait_for_first_weights()
         metrics.POLICY_VERSION.set(self.engine.policy_version)
         self._heartbeat(force=True)
@@ -398,6 +399,8 @@ class RolloutWorker:
         if self._weights is None:
             from services.common.weight_sync import WeightSyncClient
             from services.common.weight_sync.settings import (
+                check_tls_files,
+                client_tls,
                 relay_plan,
                 replica_client,
                 start_relay,
@@ -405,10 +408,12 @@ class RolloutWorker:
 
             learner = self.config.learner
             address = f"{learner.weight_sync_host}:{learner.weight_sync_port}"
+            plan = relay_plan(self.config.rollout, learner)
             if hasattr(self.engine, "pull_weights"):
-                self._weights = WeightSyncClient(address, token=learner.weight_sync_token)
+                check_tls_files(plan)  # the engine's workers read them: fail here, not there
+                self._weights = WeightSyncClient(address, token=learner.weight_sync_token,
+                                                 **client_tls(plan))
             else:
-                plan = relay_plan(self.config.rollout)
                 self._relay = start_relay(plan, learner.weight_sync_token)
                 self._weights = replica_client(address, learner.weight_sync_token, plan,
                                                self._relay)
@@ -421,7 +426,7 @@ class RolloutWorker:
         fetches each version once rather than once per rank."""
         from services.common.weight_sync.settings import relay_plan
 
-        plan = relay_plan(self.config.rollout)
+        plan = relay_plan(self.config.rollout, self.config.learner)
         if self.config.rollout.tensor_parallel_size > 1:
             if not self._share_path:
                 import tempfile

@@ -19,6 +19,7 @@ from services.common.weight_sync import (
     WeightSyncServer,
     wire,
 )
+from tests.conftest import import_or_skip
 
 torch.set_num_threads(1)
 CHUNK = 4096  # small messages, so a few KB tensors span many of them
@@ -290,6 +291,54 @@ def test_auth_token_required_when_configured():
             assert_same(version_dict(1), client.fetch()[1])
     finally:
         srv.stop(0)
+
+
+def test_tls_pull_keeps_the_token_and_refuses_a_wrong_ca_or_plain_grpc(tmp_path):
+    import_or_skip("cryptography", "the TLS tests make their certificates with it")
+    from services.common.config import ConfigError
+    from services.common.weight_sync.tls import ServerTls
+    from tests.common.tls_certs import make_certs
+
+    certs = make_certs(tmp_path)
+    ca, cert, key = certs["ca"].cert, certs["server"].cert, certs["server"].key
+    srv = WeightSyncServer(chunk_bytes=CHUNK, token="s3cret", tls=ServerTls(cert, key)).start()
+    plain = WeightSyncServer(chunk_bytes=CHUNK).start()
+    try:
+        manifest = srv.publish(state_dict(), 1)
+        with client_for(srv, token="s3cret", tls_ca_file=ca) as client:
+            assert client.get_version()[1].checksum == manifest.checksum
+            assert_same(state_dict(), client.fetch()[1])  # the client checked the checksum
+        refused = [  # (client, reason, what the one-line error says)
+            (client_for(srv, tls_ca_file=ca), "auth", "missing or wrong token"),
+            (client_for(srv, token="s3cret", tls_ca_file=certs["other_ca"].cert), "tls",
+             "not signed by the CA in learner.weight_sync_tls_ca_file"),
+            (client_for(srv, token="s3cret"), "unavailable",
+             "if it serves TLS, set learner.weight_sync_tls_ca_file"),
+            (client_for(plain, tls_ca_file=ca), "tls", "does not speak TLS"),
+        ]
+        for client, reason, said in refused:
+            with client, pytest.raises(WeightSyncError) as err:
+                client.fetch()
+            assert err.value.reason == reason and said in str(err.value), err.value
+            assert "\n" not in str(err.value)
+        # a replica whose client cannot verify the server keeps the weights it has
+        with client_for(srv, token="s3cret", tls_ca_file=certs["other_ca"].cert) as client:
+            follower = WeightFollower(client, lambda *a: pytest.fail("applied"), version=1)
+            assert follower.poll() is False and follower.last_error.reason == "tls"
+    finally:
+        srv.stop(0)
+        plain.stop(0)
+    bad_files = [  # a file that cannot work is refused before anything binds or dials
+        (lambda: ServerTls(str(tmp_path / "nope.crt"), key).credentials(),
+         "learner.weight_sync_tls_cert_file .*nope.crt does not exist"),
+        (lambda: ServerTls(cert, certs["client"].key).credentials(), "not a PEM certificate "
+         "and its private key"),
+        (lambda: WeightSyncClient("127.0.0.1:1", tls_ca_file=key, tune_malloc=False),
+         "learner.weight_sync_tls_ca_file .* holds no PEM CA certificate"),
+    ]
+    for make, said in bad_files:
+        with pytest.raises(ConfigError, match=said):
+            make()
 
 
 class RepublishingServer(WeightSyncServer):

@@ -24,6 +24,7 @@ from services.common.weight_sync import WeightSyncClient, WeightSyncError, Weigh
 from services.common.weight_sync.client import RELAY_FAILOVERS
 from services.common.weight_sync.fanout import FanoutPlan
 from services.common.weight_sync.relay import WeightRelay
+from tests.conftest import import_or_skip
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[2]
@@ -337,6 +338,68 @@ def test_relays_require_the_learners_token():
         assert tensors["a"].shape == (128 << 8,)
     finally:
         relay.stop()
+        learner.stop(0)
+
+
+def test_relays_over_tls_from_the_config_keys(tmp_path):
+    """The learner and two relays serve TLS with the certificates docs/deploy.md's keys name;
+    replicas verify both with the CA (relays by the name the keys say) and still send the
+    token."""
+    import_or_skip("cryptography", "the TLS tests make their certificates with it")
+    import shutil
+
+    from services.common.config import ConfigError, load_config
+    from services.common.weight_sync.settings import (
+        relay_plan,
+        replica_client,
+        server_kwargs,
+        start_relay,
+    )
+    from tests.common.tls_certs import make_certs
+
+    certs = make_certs(tmp_path)  # ca.crt, and a server certificate for 127.0.0.1, localhost
+    for name in ("learner", "relay"):
+        shutil.copy(certs["server"].cert, tmp_path / f"{name}.crt")
+        shutil.copy(certs["server"].key, tmp_path / f"{name}.key")
+    doc = (ROOT / "docs" / "deploy.md").read_text().split("**Weight-sync TLS.**", 1)[1]
+    keys = doc.split("```yaml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "tls.yaml").write_text(keys.replace("/run/weight-sync-tls", str(tmp_path)))
+    cfg = load_config(tmp_path / "tls.yaml", [
+        f"learner.weight_sync_chunk_bytes={CHUNK}", "learner.weight_sync_token=s3cret",
+        "rollout.weight_relay_tls_name=localhost"], environ={})  # what the test certificate names
+    half = load_config(None, [f"learner.{k}=x" for k in (
+        "weight_sync_tls_cert_file", "weight_sync_tls_key_file", "weight_sync_tls_ca_file")],
+        environ={})
+    with pytest.raises(ConfigError, match="rollout.weight_relay_tls_cert_file"):
+        relay_plan(half.rollout, half.learner)  # relays on, the CA set, no relay certificate
+    learner = WeightSyncServer(**server_kwargs(cfg.learner)).start()
+    plan = relay_plan(cfg.rollout, cfg.learner)
+    relays = [start_relay(plan, "s3cret") for _ in range(2)]
+    clients = [replica_client(learner.address, "s3cret", plan, r, tune_malloc=False,
+                              timeout_s=10, fetch_timeout_s=60) for r in relays]
+    try:
+        assert learner.tls is not None and all(r.server.tls is not None for r in relays)
+        learner.publish(weights(1, kib=256), 1)
+        for result in fetch_all(clients):
+            assert not isinstance(result, Exception), result
+            assert_version(result[1], 1)
+        assert learner.bytes_sent <= 1.05 * stream_bytes(learner)  # the second one via a relay
+        with WeightSyncClient(relays[0].address, token="s3cret", tune_malloc=False,
+                              timeout_s=5) as plain, pytest.raises(WeightSyncError) as err:
+            plain.fetch(1)
+        assert "learner.weight_sync_tls_ca_file" in str(err.value)
+        # a relay certificate that does not carry the name checked: the relays fail (tls) and
+        # the fetch goes on from the learner
+        failures = RELAY_FAILOVERS.labels("tls")._value.get()
+        with replica_client(learner.address, "s3cret", {**plan, "tls_name": "other.example"},
+                            None, tune_malloc=False, timeout_s=10) as late:
+            assert_version(late.fetch()[1], 1)
+        assert RELAY_FAILOVERS.labels("tls")._value.get() > failures
+    finally:
+        for c in clients:
+            c.close()
+        for r in relays:
+            r.stop()
         learner.stop(0)
 
 

@@ -46,6 +46,11 @@ class LearnerSection(Section):
     weight_sync_host: str = "127.0.0.1"  # where replicas reach the weight server
     weight_sync_port: int = Field(default=50051, ge=0, le=65535)  # weight-sync gRPC port
     weight_sync_token: str | None = None  # bearer token (FORAGE_WEIGHT_SYNC_TOKEN)
+    # TLS for weight sync (docs/weight_sync.md "TLS"); all three or none (null: plain gRPC).
+    weight_sync_tls_cert_file: str | None = None  # weight server's TLS certificate (null: plain)
+    weight_sync_tls_key_file: str | None = None  # weight server certificate's private key
+    # The CA replicas verify the weight server and each other's relays with.
+    weight_sync_tls_ca_file: str | None = None
     # Bytes per streamed weight chunk.
     weight_sync_chunk_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     # Concurrent Fetch streams the weight server takes (null: 14) and per client address (null:
@@ -210,4 +215,11 @@ class LearnerSection(Section):
         if self.eval_samples > 1 and self.eval_temperature == 0:
             raise ValueError("learner.eval_samples > 1 needs learner.eval_temperature > 0: "
                              "greedy answers to one question are all the same")
+        tls = {"weight_sync_tls_cert_file": self.weight_sync_tls_cert_file,
+               "weight_sync_tls_key_file": self.weight_sync_tls_key_file,
+               "weight_sync_tls_ca_file": self.weight_sync_tls_ca_file}
+        if any(tls.values()) and not all(tls.values()):
+            missing = ", ".join(f"learner.{k}" for k, v in tls.items() if not v)
+            raise ValueError(f"weight-sync TLS needs the server's certificate and key and the "
+                             f"CA replicas verify it with; missing {missing}")
         return self

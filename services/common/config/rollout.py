@@ -212,6 +212,11 @@ class RolloutSection(Section):
     weight_relay_port: int = Field(default=0, ge=0, le=65535)  # relay port (0: any free)
     weight_relay_advertise: str = ""  # host other replicas dial ("": this host's name)
     weight_relay_hold_s: float = Field(default=300.0, gt=0)  # unread version served this long
+    # The relay's TLS certificate and key (PEM), needed when learner.weight_sync_tls_ca_file is
+    # set and relays are on; it must name the advertised host, or weight_relay_tls_name.
+    weight_relay_tls_cert_file: str | None = None  # relay's TLS certificate (PEM)
+    weight_relay_tls_key_file: str | None = None  # relay certificate's private key
+    weight_relay_tls_name: str = ""  # name relay certificates carry ("": the advertised host)
     # How long a starting replica waits for the learner's first weights before giving up.
     weight_wait_s: float = Field(default=600.0, gt=0)
     heartbeat_ttl_s: float = Field(default=15.0, gt=0)  # heartbeat key lifetime
@@ -247,6 +252,10 @@ class RolloutSection(Section):
             raise ValueError("retrieval_cache.mode is "
                              f"{self.retrieval_cache.mode} but use_search is off: nothing "
                              "would be searched (set retrieval_cache.mode: off)")
+        if bool(self.weight_relay_tls_cert_file) != bool(self.weight_relay_tls_key_file):
+            raise ValueError("rollout.weight_relay_tls_cert_file and "
+                             "rollout.weight_relay_tls_key_file go together (the relay's "
+                             "certificate and its key)")
         return self
 
     @field_validator("weight_relay", mode="before")

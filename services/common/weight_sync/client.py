@@ -36,7 +36,7 @@ import torch
 from prometheus_client import Counter, Histogram
 
 from services.common.proto_gen.forage import weight_sync_pb2 as pb
-from services.common.weight_sync import checksum, malloc_tuning, wire
+from services.common.weight_sync import checksum, malloc_tuning, tls, wire
 from services.common.weight_sync.wire import WeightSyncError
 
 log = logging.getLogger("forage.weight_sync")
@@ -64,9 +64,16 @@ _STATUS_REASONS = {
 }
 
 
-def _rpc_error(exc: grpc.RpcError) -> WeightSyncError:
+def _rpc_error(exc: grpc.RpcError, where: str = "", tls_ca: str | None = None
+               ) -> WeightSyncError:
+    """`exc` as a WeightSyncError; a connection to `where` that failed because of TLS (or its
+    absence: `tls_ca` is the client's CA file, None when it dials plain) says so in one line."""
     code = exc.code() if hasattr(exc, "code") else None
     details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
+    if code == grpc.StatusCode.UNAVAILABLE and where:
+        said = tls.explain(details, tls_ca is not None, where, tls_ca or "")
+        if said is not None:
+            return WeightSyncError("tls" if tls_ca is not None else "unavailable", said)
     reason = _STATUS_REASONS.get(code, "transport")
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         reason = details.split(":", 1)[0] if ":" in details else "superseded"
@@ -86,6 +93,9 @@ class WeightSyncClient:
     `relays`: ask the learner where to fetch (`Locate`) and fail over between sources;
     `relay`: a started `WeightRelay` that serves what this client receives to others;
     `pace(nbytes)` is called after each received message and may sleep (a receive-rate cap).
+    `tls_ca_file`: dial TLS and trust only this CA (the learner and every relay; a "unix:"
+    address stays plain); `relay_tls_name`: the name relay certificates carry, checked instead
+    of the relay's address (empty: the address's host). See tls.py.
     """
 
     def __init__(
@@ -102,7 +112,15 @@ class WeightSyncClient:
         relay: Any = None,
         relay_retries: int = 3,
         pace: Callable[[int], None] | None = None,
+        tls_ca_file: str | None = None,
+        relay_tls_name: str = "",
     ) -> None:
+        self.tls_ca_file = tls_ca_file or None
+        self.relay_tls_name = relay_tls_name
+        # read and checked now: a bad CA file is one error naming its setting, not a failed
+        # handshake later
+        self._credentials = (tls.channel_credentials(self.tls_ca_file)
+                             if self.tls_ca_file else None)
         if tune_malloc:
             malloc_tuning.keep_receive_buffers()
         self.address = address
@@ -135,8 +153,8 @@ class WeightSyncClient:
             wire.FETCH_METHOD, request_serializer=pb.FetchRequest.SerializeToString,
         )
 
-    def _open_channel(self, address: str) -> grpc.Channel:
-        return grpc.insecure_channel(address, options=[
+    def _open_channel(self, address: str, relay: bool = False) -> grpc.Channel:
+        options: list[tuple[str, object]] = [
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.max_send_message_length", 1 << 20),
             # Notice a learner that vanished mid-transfer instead of waiting forever.
@@ -144,7 +162,15 @@ class WeightSyncClient:
             ("grpc.keepalive_timeout_ms", 10_000),
             *wire.TRANSPORT_OPTIONS,
             *self._grpc_options,
-        ])
+        ]
+        if self._credentials is None or address.startswith("unix:"):
+            return grpc.insecure_channel(address, options=options)
+        if relay and self.relay_tls_name:
+            options.append(("grpc.ssl_target_name_override", self.relay_tls_name))
+        return grpc.secure_channel(address, self._credentials, options=options)
+
+    def _error(self, exc: grpc.RpcError, where: str = "") -> WeightSyncError:
+        return _rpc_error(exc, where or self.address, self.tls_ca_file)
 
     def close(self) -> None:
         self._channel.close()
@@ -164,7 +190,7 @@ class WeightSyncClient:
             info = self._get_version(pb.GetVersionRequest(), timeout=self.timeout_s,
                                      metadata=self._metadata)
         except grpc.RpcError as exc:
-            error = _rpc_error(exc)
+            error = self._error(exc)
             FETCH_FAILURES.labels(error.reason).inc()
             raise error from None
         if info.version == 0:
@@ -288,7 +314,7 @@ class WeightSyncClient:
                          self.address)
                 self._locate_supported = False
                 return _Plan(version, LEARNER, None)
-            raise _rpc_error(exc) from None
+            raise self._error(exc) from None
         if reply.version == 0 or (version and reply.version != version):
             # nothing published, or the named version is gone: the learner's own Fetch says so
             return _Plan(version, LEARNER, None)
@@ -311,7 +337,7 @@ class WeightSyncClient:
             return self._fetch
         entry = self._sources.pop(source, None)
         if entry is None:
-            channel = self._open_channel(source)
+            channel = self._open_channel(source, relay=True)
             entry = (channel, channel.unary_stream(
                 wire.FETCH_METHOD, request_serializer=pb.FetchRequest.SerializeToString))
         self._sources[source] = entry  # most recent last
@@ -331,7 +357,7 @@ class WeightSyncClient:
             stream = self._stub_for(plan.source)(request, timeout=self.fetch_timeout_s,
                                                  metadata=self._metadata)
         except grpc.RpcError as exc:
-            raise _rpc_error(exc) from None
+            raise self._error(exc, where) from None
         try:
             try:
                 raw = next(stream)
@@ -370,7 +396,7 @@ class WeightSyncClient:
             held.finish(final)
             _read_to_end(stream)
         except grpc.RpcError as exc:
-            raise _rpc_error(exc) from None
+            raise self._error(exc, where) from None
         finally:
             stream.cancel()
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from services.common.proto_gen.forage import weight_sync_pb2 as pb
 from services.common.weight_sync import wire
+from services.common.weight_sync.tls import ServerTls
 from services.common.weight_sync.wire import WeightSyncError
 
 log = logging.getLogger("forage.weight_sync")
@@ -157,12 +158,16 @@ class WeightRelay:
     Listens on `host:port` (TCP, what other replicas dial: `address`, advertised as
     `advertise_host:port`) and, with `local`, also on a Unix socket path, which the other
     tensor-parallel ranks of the same replica read from. Same bearer token as the learner.
+    With `tls` (tls.ServerTls) the TCP port serves TLS with that certificate, which must name
+    the advertised host (or the name clients check instead: `relay_tls_name`); the Unix socket
+    stays plain.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                  advertise_host: str = "", local: str | None = None, hold_s: float = 300.0,
                  max_fetches: int = 16, stall_timeout_s: float = 20.0,
-                 pace: Callable[[int], None] | None = None, listen_tcp: bool = True) -> None:
+                 pace: Callable[[int], None] | None = None, listen_tcp: bool = True,
+                 tls: ServerTls | None = None) -> None:
         from services.common.weight_sync.server import WeightSyncServer
 
         # before anything is bound: a host that cannot be worked out fails cleanly
@@ -175,7 +180,7 @@ class WeightRelay:
             max_workers=max_fetches + 2,
             max_fetches=max_fetches, max_fetches_per_peer=max_fetches,
             stall_timeout_s=stall_timeout_s, coordinate=False, pace=pace,
-            listen=listen_tcp, extra_ports=[local] if local else [],
+            listen=listen_tcp, extra_ports=[local] if local else [], tls=tls,
         )
         self.local = local
         self.address = f"{advertised}:{self.server.port}" if listen_tcp else ""

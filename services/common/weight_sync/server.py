@@ -52,6 +52,7 @@ from services.common.weight_sync import wire
 from services.common.weight_sync.aliases import AliasFinder
 from services.common.weight_sync.fanout import FanoutPlan
 from services.common.weight_sync.relay import RelayBuffer, RelayUnavailable
+from services.common.weight_sync.tls import ServerTls
 
 log = logging.getLogger("forage.weight_sync")
 
@@ -138,12 +139,15 @@ class WeightSyncServer:
         pace: Callable[[int], None] | None = None,
         listen: bool = True,
         extra_ports: Sequence[str] = (),
+        tls: ServerTls | None = None,
     ) -> None:
         """`relay`/`relay_fanout`: how `Locate` assigns sources (fanout.py; `relay=False`
         sends every receiver to this server, the direct pull). `coordinate=False` serves no
         `Locate` at all (a replica's relay). `pace(nbytes)` is called before each message is
         sent and may sleep (a rate cap; the fan-out bench emulates a NIC with it).
-        `listen=False` binds no TCP port, only `extra_ports` (e.g. "unix:/tmp/x.sock")."""
+        `listen=False` binds no TCP port, only `extra_ports` (e.g. "unix:/tmp/x.sock").
+        `tls`: serve TLS on the TCP port with this certificate (tls.py); `extra_ports`, Unix
+        sockets that never leave the host, stay plain. The token is checked either way."""
         if chunk_bytes < 1:
             raise ValueError("chunk_bytes must be positive")
         if max_workers < 2:
@@ -155,6 +159,9 @@ class WeightSyncServer:
         self.chunk_bytes = chunk_bytes
         self.checksum_algo = checksum_algo
         self._token = token or None
+        self.tls = tls
+        # read and checked before anything binds: a bad file is one error naming its setting
+        credentials = tls.credentials() if tls is not None else None
         # A chunk is its payload plus a few small fields; the manifest travels alone in the
         # first message and must fit the same limit (checked at publish).
         self.max_message_bytes = chunk_bytes + (1 << 20)
@@ -212,7 +219,9 @@ class WeightSyncServer:
             grpc.method_handlers_generic_handler(wire.SERVICE, handlers)])
         self.port = 0
         if listen:
-            self.port = self._server.add_insecure_port(f"{host}:{port}")
+            bind = f"{host}:{port}"
+            self.port = (self._server.add_secure_port(bind, credentials) if credentials
+                         else self._server.add_insecure_port(bind))
             if self.port == 0:
                 raise OSError(f"weight sync server cannot bind {host}:{port}")
         for extra in extra_ports:
@@ -233,7 +242,8 @@ class WeightSyncServer:
         self._watchdog = threading.Thread(target=self._watch, name="weight-sync-watchdog",
                                           daemon=True)
         self._watchdog.start()
-        log.info("weight sync serving on %s (auth %s)", self.address, "on" if self._token else "off")
+        log.info("weight sync serving on %s (auth %s, tls %s)", self.address,
+                 "on" if self._token else "off", "on" if self.tls else "off")
         return self
 
     def stop(self, grace_s: float | None = 1.0) -> None:

@@ -48,8 +48,8 @@ class WeightSyncError(RuntimeError):
     """Any failed transfer: auth, transport, superseded version, bad manifest or checksum.
 
     `reason` is a short machine-readable word (auth, unavailable, superseded, publishing,
-    not_published, manifest, truncated, corrupt, checksum, transport); the caller's weights are
-    never touched.
+    not_published, manifest, truncated, corrupt, checksum, transport, tls); the caller's
+    weights are never touched.
     """
 
     def __init__(self, reason: str, message: str) -> None:
