@@ -44,26 +44,15 @@ from services.rollout.vllm_lora import (
     lora_request_kwargs,
     vllm_max_lora_rank,
 )
+from tests.rollout.peft_random import random_peft_model
 
 torch.set_num_threads(1)
 IDS = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
 
 
 def peft_adapter(tiny_policy_dir, seed: int, rank: int = 4, alpha: float = 8.0):
-    """A peft model over the tiny policy with a random (non-zero) adapter, and its tensors
-    under peft's in-memory names (what the learner publishes)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_policy_dir),
-                           LoraConfig(r=rank, lora_alpha=alpha, target_modules="all-linear"))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(0.05 * torch.randn(param.shape, generator=g))
-    tensors = {k: v.detach().clone() for k, v in model.state_dict().items() if ".lora_" in k}
-    return model.eval(), tensors
+    """The tiny policy under a random non-zero adapter, and its tensors."""
+    return random_peft_model(tiny_policy_dir, seed, rank=rank, alpha=alpha, scale=0.05)
 
 
 # ------------------------------------------------------------------ the peft directory

