@@ -179,6 +179,13 @@ class PartReport:
         self.data.update(values)
         self.save()
 
+    def stage(self, text: str) -> None:
+        """What the part is doing now, saved at once: a part stopped at its time limit is
+        reported with the stage it was in (run.py)."""
+        self.data["stage"] = text
+        self.data["stage_at_s"] = round(time.time() - self.data["started"], 1)
+        self.save()
+
     def finish(self) -> None:
         self.data["ok"] = self.data["error"] is None
         self.data["wall_s"] = round(time.time() - self.data["started"], 1)

@@ -170,6 +170,7 @@ def measure(args: argparse.Namespace, report: PartReport) -> None:
     report.set(datasheet_bf16_flops=peak, measured_matmul_flops=matmul)
     for shape in shapes:
         started = time.perf_counter()
+        report.stage(f"{shape}: random weights")
         model_dir = shaped_model(shape)
         say(f"learner: {shape} random weights ready in {time.perf_counter() - started:.1f}s")
         from common import SHAPES
@@ -177,6 +178,8 @@ def measure(args: argparse.Namespace, report: PartReport) -> None:
         samples = grpo_batch(vocab=SHAPES[shape]["vocab_size"], **batch)
         first = True
         for zero, checkpointing, attention in SETTINGS:
+            report.stage(f"{shape}, ZeRO {zero}, gradient checkpointing {checkpointing}, "
+                         f"attention {attention}")
             try:
                 result = run_setting(model_dir, shape, zero, checkpointing, samples,
                                      micro, steps, profile_kernels=first,

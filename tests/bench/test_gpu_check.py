@@ -71,6 +71,10 @@ def test_dry_run_writes_every_part_and_a_summary(tmp_path):
     assert retriever["search_qps"] > 0 and retriever["results"][0]["encode_qps"] > 0
     summary = json.loads((out / "summary.json").read_text())
     assert all(p["ok"] for p in summary["parts"].values())
+    # The cold start ran before the parts' limits: DeepSpeed's CPU collective op is built (or,
+    # on a warm machine, loaded from TORCH_EXTENSIONS_DIR) there, not inside the learner part.
+    assert summary["prepare"]["ok"], summary["prepare"]
+    assert summary["prepare"]["results"][0]["ops"] == ["deepspeed.ops.comm.deepspeed_shm_comm_op"]
     assert summary["facts"]["torch"] and summary["facts"]["device_type"] == "cpu"
     table = (out / "summary.md").read_text()
     assert "learner toy ZeRO 2, checkpointing on" in table and "gRPC" in table
@@ -80,7 +84,7 @@ def test_dry_run_writes_every_part_and_a_summary(tmp_path):
 
 def test_a_failing_or_overlong_part_leaves_the_others(tmp_path, monkeypatch):
     """A crash is recorded with its exit code; a part past its limit is stopped with the
-    processes it started, and what it wrote before stays."""
+    processes it started, says which stage it was in, and what it wrote before stays."""
     scripts = tmp_path / "scripts"
     scripts.mkdir()
     (scripts / "crash.py").write_text("import sys\nsys.exit(3)\n")
@@ -88,8 +92,8 @@ def test_a_failing_or_overlong_part_leaves_the_others(tmp_path, monkeypatch):
     (scripts / "hang.py").write_text(
         "import json, subprocess, sys, time\n"
         "out = sys.argv[sys.argv.index('--out') + 1]\n"
-        "json.dump({'part': 'hang', 'ok': False, 'error': None, 'results': [{'x': 1}]},\n"
-        "          open(out + '/hang.json', 'w'))\n"
+        "json.dump({'part': 'hang', 'ok': False, 'error': None, 'results': [{'x': 1}],\n"
+        "           'stage': 'toy, ZeRO 2', 'stage_at_s': 0.5}, open(out + '/hang.json', 'w'))\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
         f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
         "time.sleep(60)\n")
@@ -102,7 +106,7 @@ def test_a_failing_or_overlong_part_leaves_the_others(tmp_path, monkeypatch):
         hung = gpu_run.run_part("hang", "hang.py", out, True, 3, log)
     assert not crashed["ok"] and crashed["exit_code"] == 3 and "exited 3" in crashed["error"]
     assert time.monotonic() - started < 20
-    assert not hung["ok"] and "time limit (3s)" in hung["error"]
+    assert not hung["ok"] and "time limit (3s) while toy, ZeRO 2 (since 0.5s)" in hung["error"]
     assert hung["results"] == [{"x": 1}]
     child = int(pid_file.read_text())
     deadline = time.monotonic() + 10
