@@ -91,7 +91,6 @@ class Autoscaler:
     replicas: int
     time_scale: float = 1.0
     target: float | None = None
-    max_replicas: int | None = None
     history: deque[tuple[float, int]] = field(default_factory=deque)
     changes: list[tuple[float, int]] = field(default_factory=list)  # (time, replicas after)
 
@@ -136,8 +135,6 @@ class Autoscaler:
         if not self.changes:
             self.changes.append((now, self.replicas))
         raw = desired_replicas(self.scaled_object, metrics, self.replicas, self.target)
-        if self.max_replicas is not None:
-            raw = min(raw, self.max_replicas)
         self.history.append((now, raw))
         longest = max(self._behavior(d)["stabilizationWindowSeconds"]
                       for d in ("scaleUp", "scaleDown")) * self.time_scale

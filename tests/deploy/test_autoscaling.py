@@ -8,12 +8,17 @@ group and address against the run config. Then its rule runs on a real Redis: th
 names are read as KEDA reads them (XINFO GROUPS lag and XPENDING of the `rollout` group) while
 Forage's own stream code publishes a step's groups and a replica takes its share, and the
 replicas the rule asks for must follow the work without pinning the maximum.
+
+The bound on replicas is the cluster's: each replica takes a GPU, and with the run's other pods
+the most the autoscaler may ask for must fit the cluster docs/deploy.md says the run needs. The
+rule's own tests raise the bound as docs/deploy.md tells a user with more GPUs to.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -26,6 +31,10 @@ from services.common.streams import CONSUMER_GROUPS, RedisStreams, stream_key
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "search_r1_nq_hotpotqa.yaml"
 HPA_FILE = REPO / "deploy" / "k8s" / "rollout-hpa.yaml"
+DEPLOY_DOC = REPO / "docs" / "deploy.md"
+ROLLOUT = "forage-rollout"
+# A cluster with GPUs for several replicas, for the rule's tests (the shipped bound is 1).
+LARGER_CLUSTER_GPUS = 8
 # The trigger metadata KEDA v2.20.2's redis-streams scaler reads (pkg/scalers/
 # redis_streams_scaler.go and the connection fields of redis_scaler.go); anything else is
 # ignored by KEDA, so a typo would silently change the rule.
@@ -40,6 +49,29 @@ REDIS_STREAMS_KEYS = {
 @pytest.fixture(scope="module")
 def scaled(rendered):
     (obj,) = [o for o in rendered if o["kind"] == "ScaledObject"]
+    return obj
+
+
+def documented_cluster_gpus() -> int:
+    """The GPUs docs/deploy.md says the Kubernetes run needs ("What the cluster needs")."""
+    (gpus,) = re.findall(r"GPUs for the run: (\d+)", DEPLOY_DOC.read_text())
+    return int(gpus)
+
+
+def gpu_budget(deploy, rendered) -> tuple[int, int]:
+    """(GPUs one rollout pod requests, GPUs the run's other pods request together)."""
+    rollout = deploy.pod_gpus(deploy.pod_spec(deploy.by_kind(rendered, "Deployment")[ROLLOUT]))
+    others = sum(n for name, n in deploy.gpus_reserved(rendered).items() if name != ROLLOUT)
+    return rollout, others
+
+
+@pytest.fixture(scope="module")
+def scaled_larger(deploy, rendered, scaled):
+    """The ScaledObject with maxReplicaCount set as docs/deploy.md says for a cluster of
+    LARGER_CLUSTER_GPUS: its GPUs minus the other pods' (each replica takes one)."""
+    rollout, others = gpu_budget(deploy, rendered)
+    obj = copy.deepcopy(scaled)
+    obj["spec"]["maxReplicaCount"] = (LARGER_CLUSTER_GPUS - others) // rollout
     return obj
 
 
@@ -100,6 +132,25 @@ def test_triggers_read_the_runs_prompts_stream_from_kedas_namespace(scaled, run_
     assert float(scaled["spec"]["advanced"]["scalingModifiers"]["target"]) == capacity
 
 
+def test_the_replica_bound_fits_the_documented_cluster(deploy, rendered, scaled, run_config,
+                                                      keda_rule):
+    """At its bound, the autoscaler's replicas and the run's other pods request every GPU of
+    the cluster docs/deploy.md describes and no more (a replica past it stays Pending, or
+    makes a cluster autoscaler buy a GPU node); so does the HPA alternative. A training step's
+    groups ask for more replicas than that, and get the bound."""
+    gpus = documented_cluster_gpus()
+    rollout, others = gpu_budget(deploy, rendered)
+    assert rollout >= 1 and others >= 1
+    hpa = yaml.safe_load(HPA_FILE.read_text())
+    for bound in (scaled["spec"]["maxReplicaCount"], hpa["spec"]["maxReplicas"]):
+        assert bound * rollout + others == gpus, (bound, rollout, others, gpus)
+    (lag,) = [t["name"] for t in scaled["spec"]["triggers"] if "lagCount" in t["metadata"]]
+    step = {name: 0 for name in keda_rule.formula_terms(scaled)}
+    step[lag] = run_config.learner.train_batch_size
+    wanted = keda_rule.desired_replicas(scaled, step)
+    assert wanted * rollout + others <= gpus, wanted
+
+
 def test_prometheus_adapter_alternative_validates_and_uses_the_same_target(deploy, run_config):
     hpa = yaml.safe_load(HPA_FILE.read_text())
     hpa["metadata"]["namespace"] = "forage"
@@ -108,10 +159,12 @@ def test_prometheus_adapter_alternative_validates_and_uses_the_same_target(deplo
     assert float(metric["external"]["target"]["averageValue"]) == replica_capacity(run_config)
 
 
-def test_the_rule_follows_the_work_on_a_real_stream(redis_url, namespace, scaled, run_config,
-                                                    keda_rule):
+def test_the_rule_follows_the_work_on_a_real_stream(redis_url, namespace, scaled_larger,
+                                                    run_config, keda_rule):
     """A step's groups are published by Forage's stream code, replicas take their share, and
-    the lag / pending KEDA reads give the replicas the formula asks for."""
+    the lag / pending KEDA reads give the replicas the formula asks for (on a cluster with
+    GPUs for them)."""
+    scaled = scaled_larger
     triggers = {t["name"]: t["metadata"] for t in scaled["spec"]["triggers"]}
     capacity = replica_capacity(run_config)
     client = redis.Redis.from_url(redis_url)
@@ -147,9 +200,11 @@ def test_the_rule_follows_the_work_on_a_real_stream(redis_url, namespace, scaled
 
 
 def test_the_hpa_behaviour_holds_replicas_through_the_window_then_drops_one_per_period(
-        scaled, run_config, keda_rule):
-    """The manifest's behaviour, at 1/60 of real time: a burst scales up at once; when the
-    work goes, the count holds for the scale-down window and then falls one pod per period."""
+        scaled_larger, run_config, keda_rule):
+    """The manifest's behaviour, at 1/60 of real time (on a cluster with GPUs for 3 replicas):
+    a burst scales up at once; when the work goes, the count holds for the scale-down window
+    and then falls one pod per period."""
+    scaled = scaled_larger
     spec = scaled["spec"]
     behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
     window = behavior["stabilizationWindowSeconds"] / 60

@@ -9,17 +9,32 @@ the c10d rendezvous is on pod 0's stable name, which the pods publish before the
 pod 0 sorts first by the address torchrun orders nodes by (so it holds global rank 0, which
 serves the weights, and the `learner` Service selects it alone), every pod mounts one shared
 checkpoint volume, and nothing else of the run changes.
+
+The pods' launch command runs as the pods run it: Kubernetes' $(VAR) expansion with the pod's
+environment, then `sh -c`, then torchrun, two "pods" on loopback with each pod's DNS name
+replaced by the loopback address the cluster's DNS would answer. It checks that pod 0 hosts
+the c10d rendezvous store because the manifest says so (torchrun's `is_host`), not because
+torchrun guessed it from host names: on loopback every name matches the machine, so the guess
+would let whichever pod starts first host it, and in a cluster it rests on DNS answering for
+pod 0's own name when pod 0 starts.
 """
 
 from __future__ import annotations
 
 import copy
+import re
+import shlex
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
 from services.common.config import load_config
+from services.common.ports import free_port
 from services.learner.distributed import NODE_RANK_ENV
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,13 +59,58 @@ def _learner(deploy, objects: list[dict]) -> tuple[dict, dict]:
     return sts, sts["spec"]["template"]["spec"]["containers"][0]
 
 
-def _torchrun(container: dict):
-    """The container's torchrun arguments as torchrun itself parses them."""
+def _k8s_expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' expansion of a container's command and args: $(NAME) becomes the variable's
+    value when the container defines it and stays as written otherwise, $$ becomes $."""
+    def one(match: re.Match) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        return env.get(match.group(1), match.group(0))
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)", one, text)
+
+
+def _pod_env(container: dict, pod: str, index: int) -> dict[str, str]:
+    """The container's environment in pod `pod` (StatefulSet ordinal `index`), in order, each
+    value expanded with the ones before it, as the kubelet builds it."""
+    fields = {"metadata.name": pod, "metadata.namespace": "forage",
+              "metadata.labels['apps.kubernetes.io/pod-index']": str(index)}
+    env: dict[str, str] = {}
+    for item in container["env"]:
+        source = item.get("valueFrom", {})
+        if "fieldRef" in source:
+            env[item["name"]] = fields[source["fieldRef"]["fieldPath"]]
+        elif "secretKeyRef" in source:
+            env[item["name"]] = "secret-from-the-test"
+        else:
+            env[item["name"]] = _k8s_expand(item["value"], env)
+    return env
+
+
+def _pod_words(container: dict, pod: str, index: int) -> list[str]:
+    """What the pod's container executes: its command and args after Kubernetes' expansion."""
+    env = _pod_env(container, pod, index)
+    return [_k8s_expand(word, env) for word in container["command"] + container["args"]]
+
+
+def _launch_script(words: list[str]) -> list[str]:
+    """The words of the `sh -c` script that launches torchrun (the shell part before it
+    aside), and the container's args it passes on as "$@"."""
+    assert words[:2] == ["sh", "-c"] and words[3] == "torchrun", words[:4]
+    script = shlex.split(words[2])
+    start = script.index("exec")
+    assert script[start + 1] == "torchrun"
+    return script[start + 2:]
+
+
+def _torchrun(container: dict, pod: str = f"{STS}-0", index: int = 0):
+    """torchrun's arguments in a pod as torchrun itself parses them (the script's own words;
+    `is_host`, which the shell fills in, is checked on the running pods)."""
     from torch.distributed.run import get_args_parser
 
-    command = container["command"]
-    assert command[0] == "torchrun"
-    return get_args_parser().parse_args(command[1:] + container["args"])
+    words = _pod_words(container, pod, index)
+    args = _launch_script(words)
+    assert args[-1] == "$@"
+    return get_args_parser().parse_args(args[:-1] + words[4:])
 
 
 def test_variant_validates_and_both_renderers_agree(deploy, variant, variant_root):
@@ -79,7 +139,8 @@ def test_only_the_learner_changes(deploy, variant, rendered):
     for field in ("image", "args", "startupProbe", "readinessProbe", "livenessProbe",
                   "volumeMounts"):
         assert after[field] == before[field], field
-    assert before["command"][-2:] == after["command"][-2:] == ["--no-python", "forage"]
+    assert before["command"][-2:] == ["--no-python", "forage"]
+    assert _launch_script(after["command"])[-3:] == ["--no-python", "forage", "$@"]
 
 
 def test_torchrun_spans_the_replicas_with_c10d_on_pod_0(deploy, variant):
@@ -113,10 +174,9 @@ def test_pod_0_holds_global_rank_0_and_alone_serves_weights(deploy, variant):
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert env[NODE_RANK_ENV]["valueFrom"]["fieldRef"]["fieldPath"] == \
         "metadata.labels['apps.kubernetes.io/pod-index']"
-    local = _torchrun(container).local_addr
-    assert "$(POD_NAME)" in local
     for replicas in (2, 3, 10, 11, 100):
-        addresses = [local.replace("$(POD_NAME)", f"{STS}-{i}") for i in range(replicas)]
+        addresses = [_torchrun(container, f"{STS}-{i}", i).local_addr for i in range(replicas)]
+        assert addresses[0] == f"{STS}-0.{sts['spec']['serviceName']}"
         assert sorted(addresses)[0] == addresses[0], replicas
     service = deploy.by_kind(variant, "Service")["learner"]
     assert service["spec"]["selector"]["statefulset.kubernetes.io/pod-name"] == f"{STS}-0"
@@ -146,3 +206,100 @@ def test_strict_validation_rejects_a_malformed_variant(deploy, variant):
     deploy.by_kind(objects, "StatefulSet")[STS]["spec"].update(podManagmentPolicy="Parallel")
     errors = deploy.k8s_errors(objects)
     assert errors and any("podManagmentPolicy" in e for e in errors), errors
+
+
+# The learner program's stand-in on the pods' PATH (`--no-python forage`): each rank records
+# what torchrun gave it, and the words its torchrun (the rank's parent) was started with.
+RANK_PROBE = """#!/bin/sh
+echo "$FORAGE_NODE_RANK $RANK $GROUP_RANK $MASTER_ADDR" > "$PROBE_OUT/rank-$RANK"
+tr '\\0' '\\n' < /proc/$PPID/cmdline > "$PROBE_OUT/torchrun-$FORAGE_NODE_RANK"
+"""
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """torchrun and its ranks (each in a session of its own, so not its process group)."""
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in tree:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=30)
+
+
+def _listener(pids: list[int], port: int) -> int | None:
+    for pid in pids:
+        try:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                   for c in psutil.Process(pid).net_connections(kind="tcp")):
+                return pid
+        except psutil.NoSuchProcess:
+            pass
+    return None
+
+
+def test_the_pods_launch_words_make_pod_0_the_rendezvous_host(deploy, variant, tmp_path):
+    """Every pod runs the container's command as written (Kubernetes' expansion, sh, real
+    torchrun) with the learner program replaced by a probe, pod 1 first. Only pod 0 ever
+    listens on the rendezvous port, every pod's torchrun got is_host=1 on pod 0 and 0
+    elsewhere, and the rendezvous completes with global rank 0 on pod 0."""
+    from torch.distributed.run import get_args_parser
+
+    sts, container = _learner(deploy, variant)
+    replicas, nodes = sts["spec"]["replicas"], sts["spec"]["serviceName"]
+    nproc = int(_torchrun(container).nproc_per_node)
+    # The cluster's DNS, on loopback: each pod's stable name answers with that pod's address,
+    # and the rendezvous Service's port is a free one here.
+    address = {f"{STS}-{i}.{nodes}": f"127.0.0.{i + 1}" for i in range(replicas)}
+    endpoint = _torchrun(container).rdzv_endpoint
+    port = free_port()
+    names = re.compile("|".join(re.escape(name) + r"\b" for name in address))
+
+    def resolved(word: str) -> str:
+        return names.sub(lambda m: address[m.group(0)],
+                         word.replace(endpoint, f"{endpoint.rsplit(':', 1)[0]}:{port}"))
+
+    bin_dir, out = tmp_path / "bin", tmp_path / "ranks"
+    bin_dir.mkdir()
+    out.mkdir()
+    (bin_dir / "forage").write_text(RANK_PROBE)
+    (bin_dir / "forage").chmod(0o755)
+    pods: dict[int, subprocess.Popen] = {}
+    logs = {i: tmp_path / f"pod{i}.log" for i in range(replicas)}
+    try:
+        for i in reversed(range(replicas)):  # the host last: the others must wait for it
+            env = {**_pod_env(container, f"{STS}-{i}", i), "PROBE_OUT": str(out),
+                   "PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin",
+                   "HOME": str(tmp_path), "LOGLEVEL": "INFO"}
+            words = [resolved(w) for w in _pod_words(container, f"{STS}-{i}", i)]
+            pods[i] = subprocess.Popen(words, env=env, stdout=logs[i].open("w"),
+                                       stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + 60
+            while i and "Starting elastic_operator" not in logs[i].read_text():
+                assert pods[i].poll() is None and time.monotonic() < deadline, \
+                    logs[i].read_text()[-3000:]
+                time.sleep(0.05)
+        deadline = time.monotonic() + 60
+        while (host := _listener([p.pid for p in pods.values()], port)) is None:
+            assert time.monotonic() < deadline, "nothing listens on the rendezvous port"
+            time.sleep(0.05)
+        assert host == pods[0].pid, "the rendezvous store is not hosted by pod 0"
+        codes = {i: pod.wait(timeout=120) for i, pod in pods.items()}
+        assert codes == dict.fromkeys(pods, 0), {i: logs[i].read_text()[-3000:] for i in pods}
+    finally:
+        for pod in pods.values():
+            if pod.poll() is None:
+                _kill_tree(pod)
+    parser = get_args_parser()
+    for i in range(replicas):
+        words = (out / f"torchrun-{i}").read_text().split("\n")
+        args = parser.parse_args(words[words.index("--nnodes=2"):-1])
+        assert f"is_host={int(i == 0)}" in args.rdzv_conf.split(","), (i, args.rdzv_conf)
+    ranks = {int(f.name.split("-")[1]): f.read_text().split() for f in out.glob("rank-*")}
+    assert sorted(ranks) == list(range(replicas * nproc))
+    assert ranks[0] == ["0", "0", "0", address[f"{STS}-0.{nodes}"]]  # pod 0, group rank 0
+    for rank, (pod, _, group, _) in ranks.items():
+        assert pod == group == str(rank // nproc), (rank, ranks[rank])
