@@ -139,6 +139,8 @@ def _trajectory_to_map(traj: Trajectory) -> dict[str, Any]:
         body["turn_docs"] = [
             None if not t.docs else [[d["id"], d["title"]] for d in t.docs] for t in traj.turns
         ]
+    if any(t.index for t in traj.turns):  # only when set, beside `turns` as turn_docs
+        body["turn_index"] = [t.index or None for t in traj.turns]
     return body
 
 
@@ -447,7 +449,21 @@ def _read_turns(f: _Fields, length: int) -> list[Turn]:
             raise CodecError(f"{f.schema}: turns[{index}] query must be a string or null")
         turns.append(Turn(start, end, action, query, version))
     _read_turn_docs(f, turns)
+    _read_turn_index(f, turns)
     return turns
+
+
+def _read_turn_index(f: _Fields, turns: list[Turn]) -> None:
+    """The optional `turn_index`: per turn, null or the retrieval tag that answered it."""
+    raw = f.raw("turn_index")
+    if raw is None:
+        return
+    if not isinstance(raw, list) or len(raw) != len(turns) or not all(
+            tag is None or isinstance(tag, str) for tag in raw):
+        raise CodecError(f"{f.schema}: turn_index must be a list of strings or nulls with one "
+                         f"entry per turn ({len(turns)})")
+    for turn, tag in zip(turns, raw, strict=True):
+        turn.index = tag
 
 
 def _read_turn_docs(f: _Fields, turns: list[Turn]) -> None:

@@ -9,9 +9,19 @@ store alone.
 Index identity: a hash of the index's manifest (its build key, each file's checksum, the
 count and type), never of its path or build time: a copied index keeps its identity, a rebuilt
 or changed one gets another. Every recorded result is keyed by (identity, retriever settings,
-top-k, query), so evaluation and training read each other's stores. A running retriever reports
-its index's identity and search settings on /healthz (`served_fields`), so a client without a
-copy of the index directory keys results by what the server actually serves.
+top-k, query), so evaluation and training read each other's stores. The settings are everything
+else that can change a result: the search parameters the server applies (the build's, then its
+own nprobe / ef_search / k_factor) and the precision queries are encoded in (`auto` resolves to
+float16 on CUDA and bfloat16 on some CPUs, float32 elsewhere). A running retriever reports its
+index's identity and settings on /healthz (`served_fields`), so a client keys results by what the
+server actually serves, never by what a copy of the index directory says it would.
+
+A recorded result is the truth for its key: a later answer under the same key with other
+passages (or their order) is refused (`Conflict`), never written over it, because it means the
+key misses something that changed the result and a replay could not give both. An answer with
+the same passages is the same result (scores are never shown to the policy) and the recorded one
+is returned, so the recording run and its replay see the same bytes. A store also remembers each
+key it was recorded under, so a recording whose policy never searched replays too.
 
 The store is one SQLite file rather than JSON Lines: a test set of 50k questions makes a few
 hundred thousand results, which replay looks up by key without reading them all into memory;
@@ -88,26 +98,39 @@ def index_identity(manifest: dict[str, Any]) -> str:
     return f"{manifest.get('index_type', 'index')}-{digest}"
 
 
-def search_settings(manifest: dict[str, Any],
-                    overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+def search_settings(manifest: dict[str, Any], overrides: dict[str, Any] | None = None,
+                    query_dtype: str | None = None) -> dict[str, Any]:
     """The retriever settings part of the key: the index's search parameters as the server
-    applies them (the manifest's, then the server's non-null overrides such as nprobe)."""
+    applies them (the manifest's, then the server's non-null overrides such as nprobe) and,
+    for an index with an encoder, the resolved precision queries are encoded in (None: BM25,
+    or not known)."""
     params = dict(manifest.get("params") or {})
     params.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    return {"search_params": params}
+    settings: dict[str, Any] = {"search_params": params}
+    if query_dtype is not None:
+        settings["query_dtype"] = query_dtype
+    return settings
 
 
 def settings_key(settings: dict[str, Any]) -> str:
     return json.dumps(settings, sort_keys=True)
 
 
-def served_fields(manifest: dict[str, Any], overrides: dict[str, Any] | None = None
-                  ) -> dict[str, Any]:
-    """What a retriever's /healthz reports about the index it serves, so a client that has
-    no copy of the index directory still keys results by it: `index_id` (index_identity of
-    its manifest) and `search_settings` (search_settings with the server's own overrides)."""
+def served_fields(manifest: dict[str, Any], overrides: dict[str, Any] | None = None,
+                  query_dtype: str | None = None) -> dict[str, Any]:
+    """What a retriever's /healthz reports about the index it serves, so a client keys
+    results by what it serves: `index_id` (index_identity of its manifest) and
+    `search_settings` (search_settings with the server's own overrides and query precision)."""
     return {"index_id": index_identity(manifest),
-            "search_settings": search_settings(manifest, overrides)}
+            "search_settings": search_settings(manifest, overrides, query_dtype)}
+
+
+def retrieval_tag(identity: str, settings: dict[str, Any], topk: int) -> str:
+    """What a recorded search turn carries about who answered it, compactly:
+    `<index identity>@<8 hex of the settings and top-k>` (the whole store key but the query).
+    Two turns with the same tag were answered under the same key."""
+    digest = hashlib.sha256(f"{settings_key(settings)}|{topk}".encode()).hexdigest()[:8]
+    return f"{identity}@{digest}"
 
 
 def healthz_url(retrieve_url: str) -> str:
@@ -171,6 +194,19 @@ def check_served(health: dict[str, Any], manifest: dict[str, Any], index_dir: st
             f"{manifest.get('index_type')} index of {manifest.get('count')}: not the same index")
 
 
+def served_key(health: dict[str, Any], manifest: dict[str, Any], index_dir: str | Path,
+               retrieve_url: str) -> tuple[str, dict[str, Any]]:
+    """(identity, settings) to key a retriever's results by, given the index directory it
+    should serve: check_served first, then the settings the server reports (its own overrides
+    and query precision), never the directory's, which say only what the build chose. A
+    retriever older than the settings field: the directory's (its query precision unknown)."""
+    check_served(health, manifest, index_dir, retrieve_url)
+    settings = health.get("search_settings")
+    if isinstance(health.get("index_id"), str) and isinstance(settings, dict):
+        return str(health["index_id"]), settings
+    return index_identity(manifest), search_settings(manifest)
+
+
 def read_index_manifest(index_dir: str | Path) -> dict[str, Any]:
     """An index directory's manifest as JSON (only what the identity needs; the retriever's
     own reader checks the format when it loads the index)."""
@@ -207,6 +243,38 @@ def _locked(exc: sqlite3.OperationalError) -> bool:
     return "locked" in text or "busy" in text
 
 
+def _passages(result: Result) -> Any:
+    """What the policy sees of a result: its passages in order (scores are never shown),
+    or the refusal."""
+    if isinstance(result, QueryRejected):
+        return ("rejected",)
+    return [item.get("document", item) if isinstance(item, dict) else item for item in result]
+
+
+def _describe(result: Result) -> str:
+    """A result in an error message: the refusal, or its passages' ids."""
+    if isinstance(result, QueryRejected):
+        return f"refused ({result.reason})"
+    ids = [str(doc.get("id", "?")) if isinstance(doc, dict) else "?" for doc in _passages(result)]
+    return f"passages [{', '.join(ids)}]"
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """A new answer under a key the store already holds another result for."""
+
+    query: str
+    held: Result
+    new: Result
+
+    def message(self, path: Path, index_id: str, settings: str, topk: int) -> str:
+        return (f"query {self.query!r} (top-k {topk}, index {index_id}, settings {settings}) "
+                f"is recorded in {path} with {_describe(self.held)}, but the retriever now "
+                f"answers {_describe(self.new)}: a setting outside the key changed or the search "
+                "is not deterministic; the recorded result is kept (record into a new store to "
+                "keep the new ones)")
+
+
 class Store:
     """The SQLite store of recorded results. Thread-safe (the agent loop retrieves on a worker
     thread) and shareable between processes (WAL mode, busy timeout, retries).
@@ -238,6 +306,10 @@ class Store:
         self._db.execute("CREATE TABLE IF NOT EXISTS results (index_id TEXT, settings TEXT, "
                          "topk INTEGER, query TEXT, result TEXT, "
                          "PRIMARY KEY (index_id, settings, topk, query))")
+        # Each (identity, settings) a recording ran under, results or not: a recording whose
+        # policy never searched is a valid one, and replays.
+        self._db.execute("CREATE TABLE IF NOT EXISTS recordings (index_id TEXT, settings TEXT, "
+                         "PRIMARY KEY (index_id, settings))")
         self._db.commit()
 
     def _retrying(self, action: Callable[[], T]) -> T:
@@ -255,20 +327,46 @@ class Store:
         raise AssertionError("unreachable")
 
     def identities(self) -> list[tuple[str, str]]:
-        """Every (index identity, settings key) the store holds results for."""
+        """Every (index identity, settings key) the store was recorded under."""
         rows = self._retrying(lambda: self._db.execute(
+            "SELECT index_id, settings FROM recordings UNION "
             "SELECT DISTINCT index_id, settings FROM results").fetchall())
-        return [(str(a), str(b)) for a, b in rows]
+        return sorted((str(a), str(b)) for a, b in rows)
 
-    def put(self, index_id: str, settings: str, topk: int,
-            items: Sequence[tuple[str, Result]]) -> None:
-        rows = [(index_id, settings, topk, q, encode(r)) for q, r in items]
-
+    def register(self, index_id: str, settings: str) -> None:
+        """Note that a recording runs under this key (before any result is written)."""
         def write() -> None:
-            self._db.executemany("INSERT OR REPLACE INTO results VALUES (?, ?, ?, ?, ?)", rows)
+            self._db.execute("INSERT OR IGNORE INTO recordings VALUES (?, ?)",
+                             (index_id, settings))
             self._db.commit()
 
         self._retrying(write)
+
+    def put(self, index_id: str, settings: str, topk: int,
+            items: Sequence[tuple[str, Result]]) -> list[Result | Conflict]:
+        """Write each (query, result) the store does not hold yet, in one transaction, and
+        return per item what the store now holds: the new result, the recorded one when its
+        passages are the same, or a Conflict (nothing written) when they differ."""
+        def write() -> list[Result | Conflict]:
+            self._db.execute("BEGIN IMMEDIATE")  # read and write under one lock: no race
+            out: list[Result | Conflict] = []
+            for query, result in items:
+                key = (index_id, settings, topk, query)
+                row = self._db.execute(
+                    "SELECT result FROM results WHERE index_id=? AND settings=? AND topk=? "
+                    "AND query=?", key).fetchone()
+                if row is None:
+                    self._db.execute("INSERT INTO results VALUES (?, ?, ?, ?, ?)",
+                                     (*key, encode(result)))
+                    out.append(result)
+                    continue
+                held = decode(row[0])
+                same = _passages(held) == _passages(result)
+                out.append(held if same else Conflict(query, held, result))
+            self._db.commit()
+            return out
+
+        return self._retrying(write)
 
     def get(self, index_id: str, settings: str, topk: int, query: str) -> Result | None:
         row = self._retrying(lambda: self._db.execute(
@@ -281,9 +379,9 @@ class Store:
             self._db.close()
 
 
-def check_index(store: Store, identity: str, settings: dict[str, Any], mode: str) -> None:
+def check_index(store: Store, identity: str, mode: str) -> None:
     """A store is for one index: `record` refuses a store holding another index's results,
-    `replay` one without results for this index and settings (a StoreError naming both)."""
+    `replay` one without any recording of this index (a StoreError naming both)."""
     held = store.identities()
     others = sorted({i for i, _ in held} - {identity})
     if mode == "record" and others:
@@ -292,32 +390,72 @@ def check_index(store: Store, identity: str, settings: dict[str, Any], mode: str
                          "another path")
     if mode == "replay":
         if not held:
-            raise StoreError(f"{store.path} holds no recorded results")
-        if (identity, settings_key(settings)) not in held:
-            found = sorted({i for i, _ in held})
-            what = ("other search settings" if identity in found
-                    else f"index {', '.join(found)}")
-            raise StoreError(f"{store.path} was recorded with {what}, but this run searches "
-                             f"{identity} with {settings_key(settings)}: a store made for "
-                             "another index or settings; record again")
+            raise StoreError(f"{store.path} holds no recording (an empty store)")
+        if identity not in {i for i, _ in held}:
+            raise StoreError(f"{store.path} was recorded with index {', '.join(others)}, but "
+                             f"this run searches {identity}: a store made for another index; "
+                             "record again")
+
+
+def replay_settings(store: Store, identity: str, overrides: dict[str, Any] | None = None,
+                    query_dtype: str | None = None) -> dict[str, Any]:
+    """The settings a replay of `identity` reads: the one set recorded for it that agrees with
+    what the replay asks: each non-null search override (nprobe, ...) and the query precision
+    (None: as recorded; `auto` is whatever the recording server resolved; a recording that
+    names none, BM25's, agrees with any). StoreError naming what was recorded when none or
+    several agree."""
+    recorded = [json.loads(s) for i, s in store.identities() if i == identity]
+    if not recorded:
+        check_index(store, identity, "replay")
+    wanted = {k: v for k, v in (overrides or {}).items() if v is not None}
+    fits = [s for s in recorded
+            if all((s.get("search_params") or {}).get(k) == v for k, v in wanted.items())
+            and (query_dtype is None or s.get("query_dtype") in (None, query_dtype))]
+    if len(fits) == 1:
+        return fits[0]
+    listed = "; ".join(settings_key(s) for s in recorded)
+    asked = settings_key({"search_params": wanted, **({"query_dtype": query_dtype}
+                                                      if query_dtype is not None else {})})
+    if not fits:
+        raise StoreError(f"{store.path} was recorded with other search settings ({listed}), "
+                         f"but this run searches {identity} with {asked}: a store made for "
+                         "other settings; record again")
+    raise StoreError(f"{store.path} holds index {identity} under several search settings "
+                     f"({listed}); name the query precision (retriever.query_dtype) or search "
+                     "settings to pick one")
 
 
 # ---------------------------------------------------------------------------- backends
 
 
 class Recording:
-    """A live backend whose every answer is also written to the store."""
+    """A live backend whose every answer is also written to the store, and answered as the
+    store holds it (a replay then gives the same bytes). A Conflict raises StoreError, or,
+    with `fail_conflicts`, gets a QueryFailed (its trajectory alone fails, the recorded result
+    stays). `retrieval_tag` is what the agent loop records on each search turn."""
 
     def __init__(self, inner: Backend, store: Store, index_id: str, settings: dict[str, Any],
-                 topk: int) -> None:
+                 topk: int, fail_conflicts: bool = False) -> None:
         self.inner, self.store, self.index_id = inner, store, index_id
         self.settings, self.topk = settings_key(settings), topk
+        self.fail_conflicts = fail_conflicts
+        self.retrieval_tag = retrieval_tag(index_id, settings, topk)
+        store.register(index_id, self.settings)
 
-    def retrieve(self, queries: Sequence[str]) -> list[Result]:
+    def retrieve(self, queries: Sequence[str]) -> list[Result | QueryFailed]:
         results = self.inner.retrieve(queries)
-        self.store.put(self.index_id, self.settings, self.topk, list(zip(queries, results,
-                                                                         strict=True)))
-        return results
+        held = self.store.put(self.index_id, self.settings, self.topk,
+                              list(zip(queries, results, strict=True)))
+        out: list[Result | QueryFailed] = []
+        for item in held:
+            if isinstance(item, Conflict):
+                message = item.message(self.store.path, self.index_id, self.settings, self.topk)
+                if not self.fail_conflicts:
+                    raise StoreError(message)
+                out.append(QueryFailed(message))
+                continue
+            out.append(item)
+        return out
 
 
 class Replay:
@@ -329,6 +467,7 @@ class Replay:
         self.store, self.index_id = store, index_id
         self.settings, self.topk = settings_key(settings), topk
         self.hint, self.fail_missing = hint, fail_missing
+        self.retrieval_tag = retrieval_tag(index_id, settings, topk)
 
     def missing(self, query: str) -> str:
         return (f"query {query!r} (top-k {self.topk}, index {self.index_id}) is not in "

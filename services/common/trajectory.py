@@ -72,6 +72,10 @@ class Turn:
     # The documents a search turn retrieved, best first: [{"id": ..., "title": ...}] (None for
     # other turns). Carried for the samples researchers read (learner.log_samples_every).
     docs: list[dict[str, str]] | None = None
+    # Who answered a search turn: `<index identity>@<8 hex of the search settings and top-k>`
+    # (services/common/retrieval_store.retrieval_tag; None for other turns, or a retriever
+    # that does not report its index). Results are reproducible only under the same tag.
+    index: str | None = None
 
 
 @dataclass

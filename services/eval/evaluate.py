@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.redact import redact_text, redact_url
+from services.common.retrieval_store import retrieval_tag
 from services.eval import report
 from services.eval.data import limit_per_source, load_questions
 from services.eval.evidence import donors
@@ -40,7 +41,7 @@ from services.eval.retrieval import (
     Store,
     read_identity,
     replay_identity,
-    served_identity,
+    served_key,
 )
 from services.eval.runner import EvalSettings, Row, play_row
 from services.rollout.tools import TemplateError
@@ -179,7 +180,9 @@ def _check_models(models: list[str]) -> list[dict[str, str]]:
 def _identity(request: EvalRequest, needs_search: bool
               ) -> tuple[str | None, dict[str, Any], Store | None]:
     """(index identity, retriever settings, replay store) for the modes asked, checked before
-    anything is loaded or written; (None, {}, None) when no mode searches."""
+    anything is loaded or written; (None, {}, None) when no mode searches. The settings are
+    what answers the searches: the in-process searcher's (search overrides, resolved query
+    precision), or what the retriever at --retriever-url reports it applies."""
     if not needs_search:
         return None, {}, None
     if request.retrieval == "replay":
@@ -187,8 +190,10 @@ def _identity(request: EvalRequest, needs_search: bool
             raise EvalError("--retrieval replay answers from the store alone; drop "
                             "--retriever-url (--index only checks the index identity)")
         store = Store(_store_path(request), create=False)
+        dtype = None if request.query_dtype == "auto" else request.query_dtype
         try:
-            identity, settings = replay_identity(store, request.index)
+            identity, settings = replay_identity(store, request.index,
+                                                 request.search_params or None, dtype)
         except RetrievalError:
             store.close()
             raise
@@ -197,27 +202,28 @@ def _identity(request: EvalRequest, needs_search: bool
         raise EvalError("modes rag and agent search: pass --index DIR (loaded here) or "
                         "--retriever-url URL (a running `forage retriever serve`), or "
                         "--retrieval replay with a recorded store")
-    if request.index and not request.retriever_url:
-        _check_placement(request)
-    if request.index:
-        identity, settings = read_identity(request.index, request.search_params or None)
-    elif request.retrieval == "record":
-        identity, settings = _served(request.retriever_url)
-    else:
-        identity, settings = UNKNOWN_INDEX, {}
+    if request.retriever_url:
+        return (*_served(request), None)
+    _check_placement(request)
+    assert request.index is not None
+    identity, settings = read_identity(request.index, request.search_params or None,
+                                       retrieval_placement(request)[2])
     return identity, settings, None
 
 
-def _served(url: str | None) -> tuple[str, dict[str, Any]]:
-    """The identity a running retriever reports on /healthz: what `--retrieval record` keys
-    results by when no index directory is at hand."""
+def _served(request: EvalRequest) -> tuple[str, dict[str, Any]]:
+    """The identity and settings the retriever at --retriever-url reports on /healthz (with
+    --index, it must serve that index). A retriever that reports none: an error when
+    recording (results must be keyed), else the identity is recorded as unknown."""
+    url = request.retriever_url
     assert url is not None
-    try:
-        return served_identity(url)
+    try:  # live: one try (an unreachable retriever fails the play, as it did before)
+        return served_key(url, request.index, 5.0 if request.retrieval == "record" else 0.0)
     except RetrievalError as exc:
-        raise EvalError(f"--retrieval record keys results by the index's identity: {exc}; "
-                        "pass --index DIR of the index it serves (only its manifest is "
-                        "read)") from None
+        if request.retrieval == "record" or "not the same index" in str(exc):
+            raise EvalError(f"--retrieval {request.retrieval} keys results by the index's "
+                            f"identity: {exc}") from None
+        return UNKNOWN_INDEX, {}
 
 
 def _store_path(request: EvalRequest) -> Path:
@@ -232,12 +238,14 @@ def _backend(request: EvalRequest, identity: str | None, settings: dict[str, Any
     topk = request.settings.topk
     if replay_store is not None:
         return Replay(replay_store, identity, settings, topk), replay_store
+    tag = None if identity == UNKNOWN_INDEX else retrieval_tag(identity, settings, topk)
     if request.retriever_url:
-        live: Backend = Http(request.retriever_url, topk, request.index)
+        live: Backend = Http(request.retriever_url, topk, tag)
     else:
         device, index_device, query_dtype = retrieval_placement(request)
         live = InProcess(request.index, topk, device=device, index_device=index_device,
-                         query_dtype=query_dtype, search_params=request.search_params or None)
+                         query_dtype=query_dtype, search_params=request.search_params or None,
+                         tag=tag)
     if request.retrieval == "record":
         store = Store(_store_path(request), create=True)
         return Recording(live, store, identity, settings, topk), store
@@ -273,15 +281,15 @@ def run(request: EvalRequest) -> dict[str, Any]:
         raise EvalError(str(exc)) from None
     out = Path(request.out)
     config = _run_config(request, models, len(questions), request.settings, index_id)
+    # The precision queries are encoded in, when not float32, as the key says (this process's,
+    # the retriever's, or the replayed store's): another precision is another config for an
+    # existing OUT, and a replay writes the config its recording wrote.
+    if settings.get("query_dtype") not in (None, "float32"):
+        config["query_dtype"] = settings["query_dtype"]
     if needs_search and request.index and not request.retriever_url \
-            and request.retrieval != "replay":
-        # How this process searches, when not as it always did (float32 queries, the build's
-        # search settings): another precision is another config for an existing OUT.
-        _, _, query_dtype = retrieval_placement(request)
-        if query_dtype != "float32":
-            config["query_dtype"] = query_dtype
-        if request.search_params:
-            config["search_params"] = dict(sorted(request.search_params.items()))
+            and request.retrieval != "replay" and request.search_params:
+        # the search settings this process applies over the build's
+        config["search_params"] = dict(sorted(request.search_params.items()))
     # Only when not the default, so directories written before the flag still resume; an
     # engine switch for an existing OUT is refused as another config (other tokens).
     if request.engine != "transformers":

@@ -29,7 +29,7 @@ from services.common.retrieval_store import (
 )
 
 __all__ = ["Backend", "Http", "InProcess", "Recording", "Replay", "Result", "RetrievalError",
-           "Store", "index_identity", "read_identity", "replay_identity", "served_identity",
+           "Store", "index_identity", "read_identity", "replay_identity", "served_key",
            "settings_key"]
 
 STORE_FILE = "retrieval.sqlite"
@@ -41,17 +41,22 @@ MAX_QUERY_CHARS = 2048  # the rollout client's default check, applied in-process
 RetrievalError = common.StoreError
 
 
-def read_identity(index_dir: str | Path, overrides: dict[str, Any] | None = None
-                  ) -> tuple[str, dict[str, Any]]:
-    """(identity, search settings) of an index directory, from its manifest alone;
-    `overrides` are search settings put over the build's (nprobe, ...), as the server's."""
+def read_identity(index_dir: str | Path, overrides: dict[str, Any] | None = None,
+                  query_dtype: str | None = None) -> tuple[str, dict[str, Any]]:
+    """(identity, search settings) of an index directory searched in this process, from its
+    manifest alone; `overrides` are search settings put over the build's (nprobe, ...), as the
+    server's, and `query_dtype` the resolved precision queries are encoded in (kept for an
+    index with an encoder only)."""
+    from services.retriever.indexes import is_dense
     from services.retriever.manifest import IndexLoadError, read_manifest
 
     try:
         manifest = read_manifest(index_dir)
     except IndexLoadError as exc:
         raise RetrievalError(str(exc)) from None
-    return index_identity(manifest), search_settings(manifest, overrides)
+    dense = is_dense(str(manifest.get("index_type")))
+    return index_identity(manifest), search_settings(manifest, overrides,
+                                                     query_dtype if dense else None)
 
 
 class InProcess:
@@ -64,7 +69,8 @@ class InProcess:
 
     def __init__(self, index_dir: str | Path, topk: int, device: str = "cpu",
                  index_device: str | None = None, query_dtype: str = "float32",
-                 search_params: dict[str, int] | None = None) -> None:
+                 search_params: dict[str, int] | None = None,
+                 tag: str | None = None) -> None:
         from services.retriever.manifest import IndexLoadError
         from services.retriever.searcher import Searcher
 
@@ -74,6 +80,7 @@ class InProcess:
         except IndexLoadError as exc:
             raise RetrievalError(str(exc)) from None
         self.topk = topk
+        self.retrieval_tag = tag  # what each search turn records (retrieval_store)
 
     def retrieve(self, queries: Sequence[str]) -> list[Result]:
         out: list[Result | None] = [None] * len(queries)
@@ -91,25 +98,18 @@ class InProcess:
 
 
 class Http:
-    """A retriever process, through the rollout's client (timeouts, retries, bad queries)."""
+    """A retriever process, through the rollout's client (timeouts, retries, bad queries).
+    `tag`: the key its results go under (None: the client asks the retriever's /healthz)."""
 
-    def __init__(self, url: str, topk: int, index_dir: str | None = None) -> None:
+    def __init__(self, url: str, topk: int, tag: str | None = None) -> None:
         from services.rollout.retrieval import RetrieverClient
 
         self.client = RetrieverClient(url, topk=topk)
-        if index_dir is not None:
-            self._check_serves(url, index_dir)
+        self._tag = tag
 
-    @staticmethod
-    def _check_serves(url: str, index_dir: str) -> None:
-        """The server must serve `index_dir`'s index (the identity its /healthz reports; for an
-        older retriever its type and passage count): results of one index must never be
-        recorded under another's identity."""
-        from services.retriever.manifest import read_manifest
-
-        manifest = read_manifest(index_dir)
-        health = common.fetch_health(url, 5.0)
-        common.check_served(health, manifest, f"--index {index_dir}", url)
+    @property
+    def retrieval_tag(self) -> str | None:
+        return self._tag if self._tag is not None else self.client.retrieval_tag
 
     def retrieve(self, queries: Sequence[str]) -> list[Result]:
         return self.client.retrieve(list(queries))
@@ -131,29 +131,46 @@ class Replay(common.Replay):
                               "and settings)")
 
 
-def served_identity(url: str, wait_s: float = 5.0) -> tuple[str, dict[str, Any]]:
-    """(identity, search settings) a running retriever reports on /healthz: what
-    `--retriever-url` without `--index` records under."""
-    return common.served_identity(common.fetch_health(url, wait_s), url)
+def served_key(url: str, index_dir: str | None, wait_s: float = 5.0
+               ) -> tuple[str, dict[str, Any]]:
+    """(identity, search settings) a running retriever reports on /healthz: what results from
+    `--retriever-url` are keyed by (its own overrides and query precision). With `index_dir`,
+    the retriever must serve that index (the identity its /healthz reports; for an older
+    retriever its type and passage count): results of one index are never recorded under
+    another's identity."""
+    health = common.fetch_health(url, wait_s)
+    if index_dir is None:
+        return common.served_identity(health, url)
+    from services.retriever.manifest import IndexLoadError, read_manifest
+
+    try:
+        manifest = read_manifest(index_dir)
+    except IndexLoadError as exc:
+        raise RetrievalError(str(exc)) from None
+    return common.served_key(health, manifest, f"--index {index_dir}", url)
 
 
-def replay_identity(store: Store, index_dir: str | None) -> tuple[str, dict[str, Any]]:
+def replay_identity(store: Store, index_dir: str | None,
+                    search_params: dict[str, int] | None = None,
+                    query_dtype: str | None = None) -> tuple[str, dict[str, Any]]:
     """The identity and settings a replay uses: those of `index_dir` when given (which the
-    store must hold), else the store's only one."""
+    store must hold), else the store's only index; the settings recorded for it that agree with
+    `search_params` (nprobe, ... over the build's) and `query_dtype` when given (None: as
+    recorded)."""
     held = store.identities()
     if not held:
-        raise RetrievalError(f"{store.path} holds no recorded results")
+        raise RetrievalError(f"{store.path} holds no recording (an empty store)")
+    identities = sorted({i for i, _ in held})
     if index_dir is not None:
-        identity, settings = read_identity(index_dir)
-        if identity not in {i for i, _ in held}:
+        identity, _ = read_identity(index_dir)
+        if identity not in identities:
             raise RetrievalError(
                 f"index {index_dir} is {identity}, but {store.path} was recorded with "
-                f"{', '.join(sorted({i for i, _ in held}))}: a different index gives different "
+                f"{', '.join(identities)}: a different index gives different "
                 "results; replay with the recorded index or record again")
-        return identity, settings
-    identities = sorted({i for i, _ in held})
-    if len(identities) > 1:
+    elif len(identities) > 1:
         raise RetrievalError(f"{store.path} holds results of several indexes "
                              f"({', '.join(identities)}); pass --index DIR to pick one")
-    chosen = [s for i, s in held if i == identities[0]]
-    return identities[0], json.loads(chosen[0])
+    else:
+        identity = identities[0]
+    return identity, common.replay_settings(store, identity, search_params, query_dtype)

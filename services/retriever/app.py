@@ -391,7 +391,9 @@ def create_app(index_dir: str | Path, settings: RetrieverSection, device: str | 
         results (services/common/retrieval_store.py): computed once, from its manifest."""
         if not served:
             manifest = getattr(state.searcher, "manifest", None)
-            served.update(served_fields(manifest, settings.search_overrides)
+            # the precision queries are encoded in changes results too (none for BM25)
+            dtype = query_dtype if getattr(state.searcher, "encoder", None) is not None else None
+            served.update(served_fields(manifest, settings.search_overrides, dtype)
                           if isinstance(manifest, dict) else
                           {"index_id": None, "search_settings": None})
         return served

@@ -604,7 +604,7 @@ class AgentLoop:
             self._finish_tool_turn(state, deferred, lockstep)
         return state
 
-    def _search_result(self, state: _State, slot: int, docs: Any) -> bool:
+    def _search_result(self, state: _State, slot: int, docs: Any, tag: str | None) -> bool:
         """Fill a search call's slot; True once every call of the turn has its result."""
         seconds = time.perf_counter() - state.search_started.pop(slot, time.perf_counter())
         metrics.TOOL_LATENCY.labels("search").observe(seconds)
@@ -620,7 +620,7 @@ class AgentLoop:
             content = passages_to_string(docs).strip()
             turn = state.turns[-1] if state.turns else None
             if turn is not None and turn.action == "search" and turn.docs is None:
-                turn.docs = doc_refs(docs)
+                turn.docs, turn.index = doc_refs(docs), tag
             if self.evidence.enable and state.group.kind == "train":
                 # a donor for other questions' `swapped` variant: the search tool's result
                 self._donors.add(state.group.uid, state.group.ground_truth, content)
@@ -677,10 +677,15 @@ class AgentLoop:
             return False
         return True
 
-    def _retrieve(self, queries: list[str]) -> list[list[dict[str, Any]] | QueryRejected]:
+    def _retrieve(self, queries: list[str]
+                  ) -> tuple[list[list[dict[str, Any]] | QueryRejected], str | None]:
+        """The answers, and the retrieval tag of who answered them (index identity, settings
+        and top-k; services/common/retrieval_store.py), which each search turn records; None
+        from a backend that cannot tell. Asked after the answers, on this worker thread."""
         if self.retriever is None:
             raise RetrieverError("no retriever configured (rollout.use_search is on)")
-        return self.retriever.retrieve(queries)
+        results = self.retriever.retrieve(queries)
+        return results, getattr(self.retriever, "retrieval_tag", None)
 
     def _apply_results(
         self,
@@ -690,7 +695,7 @@ class AgentLoop:
         lockstep: bool,
     ) -> list[_State]:
         try:
-            results = future.result()
+            results, tag = future.result()
         except RetrieverError as exc:
             log.error("retrieval failed for %d trajectories: %s", len(batch), exc)
             for state, _, _ in batch:
@@ -712,7 +717,7 @@ class AgentLoop:
                 touched.append(state)
                 continue
             if slot is not None:  # a search tool call: fill its slot, go on once all are in
-                if state.finish_reason is None and self._search_result(state, slot, docs):
+                if state.finish_reason is None and self._search_result(state, slot, docs, tag):
                     self._finish_tool_turn(state, deferred, lockstep)
                 touched.append(state)
                 continue
@@ -724,6 +729,7 @@ class AgentLoop:
                 observation = information_block(docs)
                 if state.turns:  # the search turn that asked: keep what it got (samples)
                     state.turns[-1].docs = doc_refs(docs)
+                    state.turns[-1].index = tag
                 if self.evidence.enable and state.group.kind == "train":
                     # a donor for other questions' `swapped` variant (rollout/evidence.py)
                     self._donors.add(state.group.uid, state.group.ground_truth, observation)

@@ -25,7 +25,12 @@ import httpx
 from services.common.redact import redact_text, redact_url
 
 # A query not answered: shared with the recorded-results store (services/common).
-from services.common.retrieval_store import QueryFailed, QueryRejected
+from services.common.retrieval_store import (
+    QueryFailed,
+    QueryRejected,
+    healthz_url,
+    retrieval_tag,
+)
 from services.rollout import metrics
 
 __all__ = ["QueryFailed", "QueryRejected", "RetrieverClient", "RetrieverError"]
@@ -39,6 +44,9 @@ CONTENT_STATUSES = (400, 413, 422)
 TRANSIENT_STATUSES = (408, 429)
 # Details of Forage's retriever that name a request-wide field, not a query.
 REQUEST_FIELDS = ("topk", "return_scores")
+# How long the index identity read from /healthz is trusted; a failed call forgets it at once
+# (a restarted retriever may serve another index or settings).
+TAG_MAX_AGE_S = 60.0
 
 
 class RetrieverError(RuntimeError):
@@ -63,6 +71,32 @@ class RetrieverClient:
         self.max_backoff_s = max_backoff_s
         self.max_query_chars = max_query_chars
         self._client = httpx.Client(timeout=timeout_s)
+        self._tag: str | None = None
+        self._tag_at: float | None = None  # monotonic time of the last answer from /healthz
+
+    @property
+    def retrieval_tag(self) -> str | None:
+        """`<index identity>@<settings>` of what the retriever serves, from its /healthz
+        (services/common/retrieval_store.py), for the search turns to record; None when it
+        reports none (an older retriever) or cannot be asked now. Re-read every
+        TAG_MAX_AGE_S and after any failed call."""
+        now = time.monotonic()
+        if self._tag_at is not None and now - self._tag_at < TAG_MAX_AGE_S:
+            return self._tag
+        try:
+            response = self._client.get(healthz_url(self.url), timeout=5.0)
+            body = response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None  # asked again next time
+        if response.status_code == 503:  # loading: asked again next time
+            return None
+        identity = body.get("index_id") if isinstance(body, dict) else None
+        settings = body.get("search_settings") if isinstance(body, dict) else None
+        self._tag = (retrieval_tag(identity, settings, self.topk)
+                     if isinstance(identity, str) and identity and isinstance(settings, dict)
+                     else None)
+        self._tag_at = now
+        return self._tag
 
     def check_query(self, query: str) -> str | None:
         """Why the query cannot be sent, or None. The empty query is sent: Search-R1 retrieves
@@ -147,6 +181,7 @@ class RetrieverClient:
             except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
                 last_error = f"{type(exc).__name__}: {redact_text(str(exc))}"
             metrics.RETRIEVER_ERRORS.inc()
+            self._tag_at = None  # it may come back serving something else
             log.warning("retrieve attempt %d/%d failed: %s", attempt + 1, self.retries + 1,
                         last_error)
         raise RetrieverError(

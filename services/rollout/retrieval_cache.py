@@ -6,19 +6,22 @@ evaluation's searches and the other way round, and several replicas may write on
 
 - `record`: each batch of queries goes to the retriever through the usual client (timeouts,
   retries, bad queries), then every answer, refusals included, is written to the store. An
-  outage (RetrieverError) records nothing and fails the batch as without the cache.
+  outage (RetrieverError) records nothing and fails the batch as without the cache. An answer
+  whose passages differ from the one the store holds under the same key ends that trajectory
+  alone with finish_reason error naming both; the recorded result stays.
 - `replay`: every answer comes from the store; the retriever is never called. A query the store
   lacks gets a `QueryFailed`, which ends that trajectory alone with finish_reason error and the
   missing query in its `error` (services/rollout/agent.py).
 
-Index identity: read from the index directory's manifest when the replica can read it
-(`rollout.retrieval_cache.index`, default `retriever.index_dir`: the directory the retriever
-serves); recording then checks that the retriever's /healthz reports the same identity (a
-retriever older than that field: the same type and passage count). Without a directory, the
-identity and search settings are the ones the running retriever reports on /healthz (waiting
-up to `wait_s` for it), so a replica on another node than the index needs no copy of it. A
-store that holds another index's results (or, for replay, none of this index and settings)
-stops the replica at startup with one line.
+Key: a recording writes under the identity and settings the running retriever reports on
+/healthz (its search overrides and query precision, waiting up to `wait_s` for it); when the
+config names the index directory (`rollout.retrieval_cache.index`, default
+`retriever.index_dir`), the retriever must report that directory's identity (a retriever older
+than that field: the same type and passage count). A replay needs no retriever when the
+directory is named: its identity comes from the manifest, and the settings are the recorded
+ones that agree with the config's search overrides and `retriever.query_dtype` (`auto`: as the
+recording server resolved it). A store that holds another index's results (or, for replay, no
+recording of this index and settings) stops the replica at startup with one line.
 """
 
 from __future__ import annotations
@@ -36,12 +39,12 @@ from services.common.retrieval_store import (
     Store,
     StoreError,
     check_index,
-    check_served,
     fetch_health,
     index_identity,
     read_index_manifest,
-    search_settings,
+    replay_settings,
     served_identity,
+    served_key,
 )
 
 log = logging.getLogger("forage.rollout.retrieval_cache")
@@ -60,6 +63,11 @@ class CachedRetriever:
     def __init__(self, backend: Any, store: Store, client: Any | None, mode: str) -> None:
         self.backend, self.store, self.client, self.mode = backend, store, client, mode
 
+    @property
+    def retrieval_tag(self) -> str:
+        """The key the search turns record (retrieval_store.retrieval_tag)."""
+        return self.backend.retrieval_tag
+
     def retrieve(self, queries: Sequence[str]) -> list[Result | QueryFailed]:
         return self.backend.retrieve(list(queries))
 
@@ -69,19 +77,48 @@ class CachedRetriever:
         self.store.close()
 
 
-def _identity(cache: Any, retriever: Any
-              ) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
-    """(identity, search settings, the directory's manifest or None when the identity came
-    from the running retriever's /healthz)."""
+def _manifest(cache: Any, retriever: Any) -> tuple[str, dict[str, Any]] | None:
+    """(directory, manifest) of the index named by the config, or None when none is."""
     index_dir = cache.index or retriever.index_dir
     if not index_dir:
-        return (*_served_identity(cache, retriever), None)
+        return None
     try:
-        manifest = read_index_manifest(index_dir)
+        return index_dir, read_index_manifest(index_dir)
     except StoreError as exc:
         raise RetrievalCacheError(f"{KEY}.index: {exc}") from None
-    settings = search_settings(manifest, retriever.search_overrides)
-    return index_identity(manifest), settings, manifest
+
+
+def _replay_key(store: Store, cache: Any, retriever: Any) -> tuple[str, dict[str, Any]]:
+    """(identity, settings) a replay reads: the directory's identity (else the running
+    retriever's), and the settings recorded for it that agree with the config's search
+    overrides and query precision (`auto`: as the recording server resolved it)."""
+    named = _manifest(cache, retriever)
+    if named is None:
+        identity, served = _served_identity(cache, retriever)
+        return identity, replay_settings(store, identity, served.get("search_params"),
+                                         served.get("query_dtype"))
+    identity = index_identity(named[1])
+    dtype = None if retriever.query_dtype == "auto" else retriever.query_dtype
+    return identity, replay_settings(store, identity, retriever.search_overrides, dtype)
+
+
+def _record_key(cache: Any, retriever: Any) -> tuple[str, dict[str, Any]]:
+    """(identity, settings) a recording writes under: what the running retriever reports it
+    serves (its own overrides and query precision), after checking it serves the directory
+    the config names, if any."""
+    named = _manifest(cache, retriever)
+    if named is None:
+        return _served_identity(cache, retriever)
+    index_dir, manifest = named
+    try:
+        health = fetch_health(retriever.url, cache.wait_s)
+    except StoreError as exc:
+        raise RetrievalCacheError(f"{KEY}: {exc}; the index it serves must be checked before "
+                                  "recording") from None
+    try:
+        return served_key(health, manifest, index_dir, retriever.url)
+    except StoreError as exc:
+        raise RetrievalCacheError(f"{KEY}: {exc}") from None
 
 
 def _served_identity(cache: Any, retriever: Any) -> tuple[str, dict[str, Any]]:
@@ -101,46 +138,34 @@ def _served_identity(cache: Any, retriever: Any) -> tuple[str, dict[str, Any]]:
     return identity, settings
 
 
-def check_serves(url: str, manifest: dict[str, Any], index_dir: str, wait_s: float) -> None:
-    """Wait (up to `wait_s`) for the retriever's /healthz, then check it serves the index of
-    `index_dir` (its identity; for an older retriever its type and passage count): recording
-    one index's results under another's identity would poison the store."""
-    try:
-        health = fetch_health(url, wait_s)
-    except StoreError as exc:
-        raise RetrievalCacheError(f"{KEY}: {exc}; the index it serves must be checked before "
-                                  "recording") from None
-    try:
-        check_served(health, manifest, index_dir, url)
-    except StoreError as exc:
-        raise RetrievalCacheError(f"{KEY}: {exc}") from None
-
-
 def open_cache(config: Any, client: Any | None) -> CachedRetriever | None:
     """The replica's retriever with `rollout.retrieval_cache` applied (None when off).
     `client` is the replica's RetrieverClient (closed here on replay: it is never called)."""
     cache = config.rollout.retrieval_cache
     if cache.mode == "off":
         return None
-    identity, settings, manifest = _identity(cache, config.retriever)
     topk = config.retriever.topk
+    named = _manifest(cache, config.retriever)
     try:
         store = Store(cache.path, create=cache.mode == "record",
                       missing_hint=f"record one with {KEY}.mode: record")
     except StoreError as exc:
         raise RetrievalCacheError(f"{KEY}.path: {exc}") from None
     try:
-        check_index(store, identity, settings, cache.mode)
         if cache.mode == "record":
+            if named is not None:  # another index's store: said before the retriever is asked
+                check_index(store, index_identity(named[1]), "record")
+            identity, settings = _record_key(cache, config.retriever)
+            check_index(store, identity, "record")
             assert client is not None
-            if manifest is not None:  # (else the identity is what the retriever reported)
-                check_serves(config.retriever.url, manifest, cache.index or
-                             config.retriever.index_dir, cache.wait_s)
-            backend: Any = Recording(client, store, identity, settings, topk)
+            # A conflicting answer fails its trajectory alone; the recorded result stays.
+            backend: Any = Recording(client, store, identity, settings, topk,
+                                     fail_conflicts=True)
         else:
             if client is not None:
                 client.close()
                 client = None
+            identity, settings = _replay_key(store, cache, config.retriever)
             backend = Replay(store, identity, settings, topk, fail_missing=True,
                              hint=f"record it with {KEY}.mode: record (same data, model and "
                                   "retriever settings)")

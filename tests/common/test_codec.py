@@ -70,6 +70,7 @@ def trajectories(draw) -> Trajectory:
             action=draw(st.sampled_from(["search", "answer", "invalid", "none", "tool"])),
             query=draw(st.none() | text),
             policy_version=draw(st.integers(0, 1000)),
+            index=draw(st.none() | st.just("flat-0123456789abcdef@89abcdef")),
         )
         for a, b in zip([0, *cuts], cuts, strict=False)
     ]
@@ -225,6 +226,7 @@ def _mutated(change) -> bytes:
         (_mutated(lambda b: b.update(turns=[[0, 9, "answer", None, 0]])), "outside the response"),
         (_mutated(lambda b: b.update(turns=[[0, 1, "jump", None, 0]])), "action 'jump'"),
         (_mutated(lambda b: b.update(loss_mask=b"\x01\x02\x01")), "must be 0 or 1"),
+        (_mutated(lambda b: b.update(turn_index=["flat-0@0", None])), "turn_index must be"),
         (_mutated(lambda b: b.update(probe={"fractions": [0.0], "samples": []})), "one list per"),
         (
             _mutated(lambda b: b.update(schema=SCHEMA_SCORED, reward="high")),

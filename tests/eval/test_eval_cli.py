@@ -99,11 +99,12 @@ def test_record_without_the_index_folder_keys_by_the_identity_the_retriever_repo
     run(EvalRequest(models=[str(eval_world["policy"])], data=[str(eval_world["flashrag"])],
                     modes=["rag"], out=str(out), retriever_url=retriever, retrieval="record",
                     limit=2, settings=EvalSettings(topk=2, max_tokens_per_turn=4)))
-    identity, settings = read_identity(eval_world["index"])
+    identity, _ = read_identity(eval_world["index"])
+    served = httpx.get(retriever.replace("/retrieve", "/healthz"), timeout=10).json()
     config = json.loads((out / "config.json").read_text())
     assert config["index"] == identity
     store = Store(out / "retrieval.sqlite", create=False)
-    assert store.identities() == [(identity, settings_key(settings))]
+    assert store.identities() == [(identity, settings_key(served["search_settings"]))]
     store.close()
     assert {line["index"] for line in map(json.loads, (out / "samples.jsonl").open())} == \
         {identity}

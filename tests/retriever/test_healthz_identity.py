@@ -39,7 +39,8 @@ def test_healthz_reports_the_identity_the_store_keys_on(server, flat_index):
     health = reply.json()
     manifest = manifest_of(flat_index)
     assert health["index_id"] == index_identity(manifest)
-    assert health["search_settings"] == search_settings(manifest)
+    # the server's query precision is part of it (the fixture's retriever.query_dtype)
+    assert health["search_settings"] == search_settings(manifest, query_dtype="float32")
     assert health["index_id"].startswith("flat-")
 
 
@@ -57,7 +58,7 @@ def test_a_replica_without_the_index_folder_records_under_the_served_identity(
     store = Store(db, create=False)
     # The same key as the folder path gives: a store recorded either way replays either way.
     assert store.identities() == [(index_identity(manifest),
-                                   settings_key(search_settings(manifest)))]
+                                   settings_key(search_settings(manifest, None, "float32")))]
     store.close()
 
     replay = open_cache(cache_config(url, "replay", db), None)

@@ -7,13 +7,15 @@ import time
 
 import httpx
 
+from services.common.codec import decode_as, encode
 from services.common.formats import (
     CORRECTIVE_MESSAGE,
     PROBE_SUFFIX_TAGGED,
     doc_refs,
     information_block,
 )
-from services.common.trajectory import PromptGroup
+from services.common.retrieval_store import retrieval_tag
+from services.common.trajectory import PromptGroup, Trajectory
 from services.rollout.agent import AgentLoop, LoopSettings
 from services.rollout.probe import ProbeSettings, cut_points
 from services.rollout.retrieval import RetrieverClient
@@ -80,6 +82,11 @@ def test_scripted_trajectory_exact_observation_bytes_and_mask(engine, retriever_
     # the search turn keeps the ids/titles of what it retrieved (samples.jsonl shows them)
     assert traj.turns[0].docs == doc_refs(docs) and len(traj.turns[0].docs) == 2
     assert traj.turns[1].docs is None
+    # ...and who answered it: the index identity and settings the retriever's /healthz reports
+    health = httpx.get(retriever_url.replace("/retrieve", "/healthz")).json()
+    assert traj.turns[0].index == retrieval_tag(health["index_id"], health["search_settings"], 2)
+    assert traj.turns[1].index is None
+    assert decode_as(encode(traj), Trajectory).turns == traj.turns  # it travels to the learner
     # behaviour log-probs: real on policy tokens, 0 on observation tokens
     lp = traj.rollout_logprobs
     assert all(lp[i] == 0.0 for a, b in masked for i in range(a, b))

@@ -23,6 +23,8 @@ from services.common.retrieval_store import (
     Store,
     StoreError,
     check_index,
+    replay_settings,
+    retrieval_tag,
     settings_key,
 )
 from services.common.trajectory import PromptGroup
@@ -88,15 +90,23 @@ def test_record_then_replay_on_a_real_retriever(engine, retriever_url, dead_retr
     assert [t.finish_reason for t in recorded] == ["answer"] * 3
     assert [t.num_searches for t in recorded] == [1, 1, 0]
 
-    # Keyed exactly as `forage eval` keys it, so eval replays a training store.
-    from services.eval.retrieval import read_identity
+    # Keyed by what the retriever reports it serves (its settings and query precision), and
+    # read by `forage eval`'s replay, so eval replays a training store.
+    import httpx
 
-    identity, settings = read_identity(index)
+    from services.eval.retrieval import read_identity, replay_identity
+
+    health = httpx.get(retriever_url.replace("/retrieve", "/healthz"), timeout=10).json()
+    identity, _ = read_identity(index)
+    assert health["search_settings"]["query_dtype"] == health["query_dtype"]
     store = Store(db, create=False)
-    assert store.identities() == [(identity, settings_key(settings))]
-    assert Replay(store, identity, settings, 2).retrieve(["Brixol"])[0][0]["document"][
-        "contents"].startswith('"Brixol"')
+    assert store.identities() == [(identity, settings_key(health["search_settings"]))]
+    assert replay_identity(store, str(index)) == (identity, health["search_settings"])
+    assert Replay(store, identity, health["search_settings"], 2).retrieve(["Brixol"])[0][0][
+        "document"]["contents"].startswith('"Brixol"')
     store.close()
+    # Each search turn records who answered it: the key's identity, settings and top-k.
+    assert recorded[0].turns[0].index == retrieval_tag(identity, health["search_settings"], 2)
 
     # Replay: the retriever is never asked (the URL has nobody behind it), same tokens.
     replaying = open_cache(config("replay", db, index, dead_retriever_url), None)
@@ -160,9 +170,11 @@ def test_replay_gives_a_missing_query_its_own_failure(tmp_path):
     store = Store(tmp_path / "r.sqlite", create=True)
     settings = {"search_params": {}}
     store.put("flat-a", settings_key(settings), 2, [("Brixol", QueryRejected("too long"))])
-    check_index(store, "flat-a", settings, "replay")
+    assert replay_settings(store, "flat-a") == settings
     with pytest.raises(StoreError, match="other search settings"):
-        check_index(store, "flat-a", {"search_params": {"nprobe": 8}}, "replay")
+        replay_settings(store, "flat-a", {"nprobe": 8})
+    with pytest.raises(StoreError, match="another index"):
+        check_index(store, "flat-b", "replay")
     got = Replay(store, "flat-a", settings, 2, fail_missing=True).retrieve(["Brixol", "Tamra"])
     assert got[0] == QueryRejected("too long") and isinstance(got[1], QueryFailed)
     with pytest.raises(StoreError, match="'Tamra'"):
