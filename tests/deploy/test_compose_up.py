@@ -10,6 +10,8 @@ this machine's engine or the test itself needs:
   the key is reset when the engine is older; docs/deploy.md states the minimum.
 - Published ports go to free host ports (`127.0.0.1::PORT`) so the test cannot collide with
   anything else listening here; it asks `docker compose port` where they went.
+Before `up`, the Redis users and their passwords are made with docs/deploy.md's command, into a
+folder FORAGE_REDIS_SECRETS names (as .env would), not the repository's ./secrets/redis.
 Then: every healthcheck passes, nothing restarts, /retrieve answers from outside the
 containers, the learner finishes 2 RL steps and Prometheus has scraped every target, and
 `docker compose down` stops the learner at a step boundary with a checkpoint written to the
@@ -22,6 +24,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -41,6 +44,9 @@ RUNNING = {"redis-exporter", "prometheus"}
 PUBLISHED = {"retriever": 8000, "scorer": 8010, "learner": 9102, "prometheus": 9090}
 STEPS = 2
 MIN_COMPOSE = (2, 24, 4)  # `!reset` / `!override` in the layout files
+# docs/deploy.md ("Try the stack without a GPU"): the users of the CPU layout's namespace
+REDIS_ACL = ["redis", "acl", "--config", "configs/search_r1_nq_hotpotqa.yaml",
+             "--config", "configs/compose_cpu.yaml", "--out"]
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -51,11 +57,12 @@ class Compose:
     """`docker compose -p PROJECT -f docker-compose.yml -f deploy/compose/cpu.yml -f TEST` in
     the repository (its ./configs and ./deploy/prometheus are bind-mounted as users have them)."""
 
-    def __init__(self, engine: Any, test_file: Path) -> None:
+    def __init__(self, engine: Any, test_file: Path, redis_secrets: Path) -> None:
         self.engine = engine
         self.files = [REPO / "docker-compose.yml", REPO / "deploy" / "compose" / "cpu.yml",
                       test_file]
-        self.env = dict(os.environ, **engine.env, FORAGE_WEIGHT_SYNC_TOKEN="compose-test-token")
+        self.env = dict(os.environ, **engine.env, FORAGE_WEIGHT_SYNC_TOKEN="compose-test-token",
+                        FORAGE_REDIS_SECRETS=str(redis_secrets))
 
     def run(self, *args: str, timeout: float = 600, check: bool = True
             ) -> subprocess.CompletedProcess:
@@ -163,7 +170,11 @@ def compose(forage_cpu_image, tmp_path):
     if version.returncode != 0 or _version(version.stdout) < MIN_COMPOSE:
         missing_tool("no docker compose plugin >= 2.24.4 (make test installs it as root)")
     api = engine.docker("version", "--format", "{{.Server.APIVersion}}").stdout
-    project = Compose(engine, _test_file(tmp_path, _version(api)))
+    secrets = tmp_path / "secrets" / "redis"
+    made = subprocess.run([str(Path(sys.executable).with_name("forage")), *REDIS_ACL,
+                           str(secrets)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    project = Compose(engine, _test_file(tmp_path, _version(api)), secrets)
     try:
         yield project
     finally:
@@ -188,6 +199,9 @@ def test_compose_up_cpu_layout_trains_scrapes_and_checkpoints_on_down(compose):
                         "return_scores": True})
     hits = reply["result"][0]
     assert len(hits) == 1 and hits[0]["document"]["contents"], reply
+    # Redis lets no one in without a user (the services and the exporter log in as theirs).
+    anonymous = compose.run("exec", "-T", "redis", "redis-cli", "ping", check=False)
+    assert "NOAUTH" in anonymous.stdout + anonymous.stderr, anonymous
 
     # The learner finishes 2 RL steps, seen through Prometheus, which scrapes every target.
     prometheus = compose.host_port("prometheus", 9090)
