@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-# Qwen2.5-0.5B / 1.5B (their config.json), and a toy of the same architecture for --dry-run.
+# Qwen2.5-0.5B / 1.5B / 3B (their config.json; 3B is the Search-R1 recipe's model), and a toy
+# of the same architecture for --dry-run.
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
@@ -36,6 +37,10 @@ SHAPES: dict[str, dict[str, Any]] = {
                          num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
                          tie_word_embeddings=True, rope_theta=1000000.0,
                          max_position_embeddings=32768),
+    "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                       num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,
+                       tie_word_embeddings=True, rope_theta=1000000.0,
+                       max_position_embeddings=32768),
     "toy": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
                 tie_word_embeddings=True, rope_theta=1000000.0, max_position_embeddings=4096),

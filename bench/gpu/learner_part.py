@@ -1,10 +1,13 @@
 """Part 1: the learner alone. Forage's PolicyTrainer (DeepSpeed, bf16 on CUDA) runs GRPO
 steps on a GRPO-shaped batch for each model shape x ZeRO stage x gradient checkpointing.
 
-Reported per setting: step time (best of the timed steps), tokens/s (all tokens of the batch),
-model-FLOPs utilisation (FLOPs of the tokens actually computed, a group's shared prompt once,
-against the datasheet bf16 peak and against a matrix product measured in the same run), peak
-GPU memory, and which attention kernels ran (from one profiled step per shape).
+Reported per setting: step time (best of the timed steps) and the warm-up step's (kernel
+compilation: FlexAttention's Triton kernels are compiled on first use), tokens/s (all tokens of
+the batch), model-FLOPs utilisation (FLOPs of the tokens actually computed, a group's shared
+prompt once, against the datasheet bf16 peak and against a matrix product measured in the same
+run), peak GPU memory, which kernel `learner.attention` chose and why, and which attention
+kernels ran (from one profiled step per shape and kernel choice), named as one kind
+(`attention_kernel`: flex, flash-attn, or SDPA and its backend).
 
     python bench/gpu/learner_part.py --out DIR [--dry-run]
 """
@@ -35,13 +38,26 @@ from common import (  # noqa: E402
 )
 from models import shaped_model  # noqa: E402
 
-ATTENTION_WORDS = ("attention", "attn", "fmha", "flash", "sdpa", "mha")
+ATTENTION_WORDS = ("attention", "attn", "fmha", "flash", "sdpa", "mha", "flex", "triton_tem")
+# Profiler names -> the kind of attention kernel that ran, first match wins. FlexAttention
+# compiled by inductor runs Triton template kernels (`triton_tem_fused_*`); uncompiled, it
+# computes the whole score matrix with ordinary ops. SDPA names its backend in its ATen op.
+KERNEL_KINDS = (
+    ("triton_tem", "flex (Triton kernels compiled by inductor)"),
+    ("flash_attn", "flash-attn"),
+    ("flash_fwd", "flash-attn"),
+    ("cudnn_attention", "SDPA: cuDNN"),
+    ("efficient_attention", "SDPA: memory-efficient"),
+    ("_scaled_dot_product_flash_attention", "SDPA: flash"),
+    ("attention_math", "SDPA: math (unfused)"),
+    ("flex_attention", "flex, not compiled (unfused: the whole score matrix)"),
+)
 
 
 def grpo_batch(groups: int, n: int, prompt_len: int, response: tuple[int, int], vocab: int,
-               seed: int = 0):
+               seed: int = 0, spans: int = 2):
     """`groups` prompts x `n` samples: each group shares its prompt; responses of random length
-    with two masked observation spans (a two-search trajectory), random advantages."""
+    with `spans` masked observation spans (two: a two-search trajectory), random advantages."""
     from services.learner.packing import Sample
 
     rng = np.random.default_rng(seed)
@@ -53,7 +69,7 @@ def grpo_batch(groups: int, n: int, prompt_len: int, response: tuple[int, int], 
             ids = np.concatenate([prompt, rng.integers(5, vocab, length)])
             mask = np.ones(len(ids))
             mask[:prompt_len] = 0
-            for _ in range(2):
+            for _ in range(spans):
                 start = int(rng.integers(prompt_len, max(prompt_len + 1, len(ids) - 40)))
                 mask[start : start + min(30, length // 8)] = 0
             sample = Sample(ids, mask, prompt_len=prompt_len, uid=f"g{g}")
@@ -94,7 +110,17 @@ def attention_kernels(trainer, samples) -> list[str]:
         trainer.rl_step(samples)
         synchronize()
     names = {event.key for event in prof.key_averages()}
-    return sorted(n for n in names if any(w in n.lower() for w in ATTENTION_WORDS))[:20]
+    return sorted(n for n in names if any(w in n.lower() for w in ATTENTION_WORDS))
+
+
+def kernel_kind(implementation: str, names: list[str]) -> str:
+    """What ran, in one phrase, from the profiled names (KERNEL_KINDS); when none matches,
+    what transformers was asked for, marked as not seen in the profile."""
+    lowered = [n.lower() for n in names]
+    for word, kind in KERNEL_KINDS:
+        if any(word in n for n in lowered):
+            return kind
+    return f"{implementation} (no known attention kernel in the profile)"
 
 
 def run_setting(model_dir: Path, shape: str, zero: int, checkpointing: bool, samples,
@@ -113,7 +139,11 @@ def run_setting(model_dir: Path, shape: str, zero: int, checkpointing: bool, sam
     trainer = PolicyTrainer(str(model_dir), cfg, gradient_checkpointing=checkpointing)
     build_s = time.perf_counter() - started
     try:
+        synchronize()
+        warm = time.perf_counter()
         trainer.rl_step(samples)  # warm-up: allocator, kernels, DeepSpeed's first step
+        synchronize()
+        warmup_s = time.perf_counter() - warm
         times, metrics = [], {}
         for _ in range(steps):
             synchronize()
@@ -127,9 +157,11 @@ def run_setting(model_dir: Path, shape: str, zero: int, checkpointing: bool, sam
             "dtype": str(trainer.dtype).removeprefix("torch."),
             "attention": attention,
             "attn_implementation": trainer.attn_implementation,
+            "attention_reason": trainer.attention.reason,
             "shared_prompts": trainer.share_prompts,
             "micro_batch_tokens": micro_tokens,
             "step_s": round(min(times), 4), "step_times_s": [round(t, 4) for t in times],
+            "warmup_step_s": round(warmup_s, 2),
             "tokens_in_batch": int(sum(len(s) for s in samples)),
             "tokens_computed": int(metrics.get("tokens_computed", 0)),
             "build_s": round(build_s, 2),
@@ -141,7 +173,9 @@ def run_setting(model_dir: Path, shape: str, zero: int, checkpointing: bool, sam
             "grad_norm": metrics.get("grad_norm"),
         }
         if profile_kernels:
-            result["attention_kernels"] = attention_kernels(trainer, samples)
+            names = attention_kernels(trainer, samples)
+            result["attention_kernel"] = kernel_kind(trainer.attn_implementation, names)
+            result["attention_kernels"] = names[:20]
         return result
     finally:
         del trainer
@@ -176,20 +210,20 @@ def measure(args: argparse.Namespace, report: PartReport) -> None:
         from common import SHAPES
 
         samples = grpo_batch(vocab=SHAPES[shape]["vocab_size"], **batch)
-        first = True
+        profiled: set[str] = set()  # one profiled step per kernel choice and shape
         for zero, checkpointing, attention in SETTINGS:
             report.stage(f"{shape}, ZeRO {zero}, gradient checkpointing {checkpointing}, "
                          f"attention {attention}")
             try:
                 result = run_setting(model_dir, shape, zero, checkpointing, samples,
-                                     micro, steps, profile_kernels=first,
+                                     micro, steps, profile_kernels=attention not in profiled,
                                      attention=attention)
             except Exception as exc:  # one setting failing (e.g. OOM) keeps the rest
                 result = {"shape": shape, "zero_stage": zero,
                           "gradient_checkpointing": checkpointing, "attention": attention,
                           "error": f"{type(exc).__name__}: {exc}"[:2000]}
             else:
-                first = False
+                profiled.add(attention)
                 computed = _computed_lengths(samples, result)
                 flops = train_flops(shape, computed)
                 result["tokens_per_s"] = round(result["tokens_in_batch"] / result["step_s"])

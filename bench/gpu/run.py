@@ -5,7 +5,8 @@ carried wheels and calls this.
 Every part writes `$OUT/<part>.json` as it goes; a part that crashes or runs out of time still
 leaves what it measured, with `error` saying why it stopped. `$OUT/summary.json` holds the
 device facts and every part's status, `$OUT/summary.md` one table of the headline figures, and
-`$OUT/run.log` every part's console output.
+`$OUT/run.log` every part's console output. A part listed in FOLDED writes its figures into
+another part's file instead of its own (the device tool brings back at most 8 files).
 """
 
 from __future__ import annotations
@@ -26,14 +27,19 @@ from common import device_facts, say, write_json  # noqa: E402
 HERE = Path(__file__).resolve().parent
 # (part, script, seconds on a GPU, seconds in --dry-run). Time a part does not use flows on to
 # the parts after it; each part is stopped when the time the later parts need would be gone.
-# On the H200 (2026-11-26) the parts took 95, ~50, 27, 35 and 150 s, the wheels 14 s to install;
-# the learner has since gained one setting per shape (SDPA beside FlexAttention).
+# On the H200 (2026-11-26) the parts took 95, ~50, 27, 35 and 136-150 s, the wheels 14 s to
+# install. Since then the learner has gained one setting per shape (SDPA beside `auto`, which is
+# FlexAttention on CUDA: its Triton kernels compile in the warm-up steps), plan_check runs the
+# 3B learner (random weights written, loaded twice, one step), and the engine's baseline no
+# longer crosses devices. The default parts add up to 540 s, so that with the wheels and the
+# cold start the run fits one 10-minute command.
 PARTS = [
-    ("learner", "learner_part.py", 140, 60),
-    ("engine", "engine_part.py", 70, 30),
-    ("weight_sync", "weight_sync_part.py", 40, 20),
-    ("retriever", "retriever_part.py", 50, 30),
-    ("demo", "demo_part.py", 195, 240),
+    ("learner", "learner_part.py", 150, 60),
+    ("plan_check", "plan_check_part.py", 120, 60),
+    ("engine", "engine_part.py", 45, 30),
+    ("weight_sync", "weight_sync_part.py", 30, 20),
+    ("retriever", "retriever_part.py", 40, 30),
+    ("demo", "demo_part.py", 155, 240),
     # Not in the default parts (OPTIONAL): SmolLM2-135M-Instruct learning on the synthetic world
     # (bench/real_learn.py: SFT, GRPO full and LoRA). Sized to take the lease's one 10-minute
     # command alone: `--parts real_learn`. Its model must be carried (real_learn_part.py).
@@ -41,6 +47,8 @@ PARTS = [
 ]
 # Parts run only when --parts names them.
 OPTIONAL = {"real_learn"}
+# part -> the part whose file gets its report (under the part's name), when that part ran.
+FOLDED = {"plan_check": "learner"}
 # The cold start before the parts (prepare.py): DeepSpeed's CPU op build took ~110 s on a 2-core
 # box; on CUDA nothing is built.
 PREPARE_S = 300.0
@@ -103,7 +111,19 @@ def run_part(name: str, script: str, out: Path, dry_run: bool, timeout: float,
     data["exit_code"] = proc.returncode
     data["wall_s"] = round(wall, 1)
     write_json(path, data)
+    fold(name, data, out)
     return data
+
+
+def fold(name: str, data: dict, out: Path) -> None:
+    """A FOLDED part's report goes into its host part's file, when the host's is there."""
+    host = out / f"{FOLDED.get(name, '')}.json"
+    if name not in FOLDED or not host.is_file():
+        return
+    merged = json.loads(host.read_text())
+    merged[name] = data
+    write_json(host, merged)
+    (out / f"{name}.json").unlink()
 
 
 def headline_rows(part: dict) -> list[tuple[str, str]]:
@@ -117,16 +137,32 @@ def headline_rows(part: dict) -> list[tuple[str, str]]:
             mfu = f", MFU {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else ""
             mem = (f", peak {r['peak_memory_gib'] - (r.get('memory_before_gib') or 0):.1f} GiB"
                    if r.get("peak_memory_gib") else "")
+            kernel = f" ({r['attention_kernel']})" if r.get("attention_kernel") else ""
             rows.append((f"learner {r['shape']} ZeRO {r['zero_stage']}"
                          f"{' (runs ' + str(r['zero_stage_run']) + ')' if r['zero_stage_run'] != r['zero_stage'] else ''}"
                          f", checkpointing {'on' if r['gradient_checkpointing'] else 'off'}"
-                         f", attention {r.get('attn_implementation', '?')}",
+                         f", attention {r.get('attn_implementation', '?')}{kernel}",
                          f"step {r['step_s']:.3f}s, {r['tokens_per_s']:,} tokens/s, "
                          f"{r['model_tflops_per_s']} TFLOP/s{mfu}{mem}"))
+        elif name == "plan_check":
+            plan = (f"plan: learner {r['plan_learner_peak_gib']} GiB "
+                    f"({r['plan_learner_peak_at_batch_gib']} at this batch), GPU "
+                    f"{r['plan_gpu_total_gib']} GiB")
+            measured = (f"learner peak {r['learner_peak_gib']} GiB (plan error "
+                        f"{100 * r['plan_error']:+.1f}%), GPU used {r['gpu_used_gib']} GiB"
+                        if r.get("learner_peak_gib") else "no GPU memory measured")
+            rows.append((f"plan_check {r['shape']} {'layout split' if r['split'] else 'alone'},"
+                         f" micro_batch_tokens {r['micro_batch_tokens']}, attention "
+                         f"{r['attn_implementation']}",
+                         f"step {r['step_s']}s; {measured}; {plan}"))
         elif name == "engine":
-            rows.append((f"engine {r['shape']} batch {r['batch']} x {r['new_tokens']} tokens",
+            same = (f", identical outputs {r['identical_sequences']}/{r['batch']}"
+                    if "identical_sequences" in r else "")
+            rows.append((f"engine {r['shape']} batch {r['batch']} x {r['new_tokens']} tokens"
+                         f" ({r.get('decoding', 'sampled')})",
                          f"agent loop {r['agent_loop_tokens_per_s']:,.0f} tok/s vs generate "
-                         f"{r['generate_tokens_per_s']:,.0f} tok/s (ratio {r['ratio']:.2f})"))
+                         f"{r['generate_tokens_per_s']:,.0f} tok/s (ratio {r['ratio']:.2f})"
+                         f"{same}"))
         elif name == "weight_sync":
             load = (f", load onto the GPU {r['load_to_device_s']:.2f}s"
                     if r.get("load_to_device_s") is not None else "")

@@ -3,11 +3,12 @@
 #
 # On a machine with one NVIDIA GPU, PyTorch and transformers (no internet, no vLLM, none of
 # Forage's other dependencies), it installs the wheels carried in bench/gpu/wheelhouse (made by
-# `make gpu-wheelhouse`) into a folder of its own, then runs the five default parts (real_learn
+# `make gpu-wheelhouse`) into a folder of its own, then runs the six default parts (real_learn
 # too when --parts names it: bench/README.md, "Does it learn?") under a time budget
-# and writes one JSON file per part, summary.json, summary.md and run.log to $OUT (a temporary
-# folder when $OUT is unset). --dry-run runs the same code at toy sizes on the CPU with the
-# Python environment as it is (nothing installed). bench/README.md, "GPU check", says more.
+# and writes one JSON file per part (plan_check's goes into learner.json), summary.json,
+# summary.md and run.log to $OUT (a temporary folder when $OUT is unset). --dry-run runs the
+# same code at toy sizes on the CPU with the Python environment as it is (nothing installed).
+# bench/README.md, "GPU check", says more.
 set -uo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
