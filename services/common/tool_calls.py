@@ -1,22 +1,30 @@
-"""Parse a policy turn's tool calls in Hermes format (docs/rollout.md, "Tool calls").
+"""Parse a policy turn's tool calls (docs/rollout.md, "Tool calls"), in the format its chat
+template teaches (`detect_format`):
 
-    <tool_call>
-    {"name": "search", "arguments": {"query": "Brixol"}}
-    </tool_call>
+- Hermes (Qwen2.5, Qwen3, ChatML models fine-tuned on Hermes data): one block per call,
+  several blocks in a turn,
 
-is what Qwen2.5's and Qwen3's chat templates teach and what ChatML models fine-tuned on Hermes
-data emit. The text is sampled, so anything can be inside the tags: every block becomes either
-a `ToolCall` (known tool, arguments valid against its schema) or a `ToolCallError` whose
-`message` is written for the model to read as the tool's answer. A bad call is the policy's
-mistake, to be seen and learnt from; it never errors the trajectory. Pure functions: no I/O,
-nothing evaluated (json.loads only).
+      <tool_call>
+      {"name": "search", "arguments": {"query": "Brixol"}}
+      </tool_call>
+
+- Llama 3.1 / 3.2 / 3.3 JSON tool calls: the turn is the call, `{"name": ..., "parameters":
+  {...}}`, optionally after `<|python_tag|>`; several calls as a JSON list or separated by `;`.
+- Mistral: `[TOOL_CALLS] [{"name": ..., "arguments": {...}, "id": ...}, ...]` (v3 tokenizers),
+  or `[TOOL_CALLS]name[ARGS]{...}` per call (newer tokenizers).
+
+The text is sampled, so anything can be inside: every call becomes either a `ToolCall` (known
+tool, arguments valid against its schema) or a `ToolCallError` whose `message` is written for
+the model to read as the tool's answer. A bad call is the policy's mistake, to be seen and
+learnt from; it never errors the trajectory. Pure functions: no I/O, nothing evaluated
+(json only).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -41,11 +49,13 @@ ErrorKind = Literal["malformed_json", "not_a_call", "unknown_tool", "bad_argumen
 
 @dataclass(frozen=True)
 class ToolCall:
-    """A well-formed call of a declared tool with arguments that match its schema."""
+    """A well-formed call of a declared tool with arguments that match its schema; `id` is the
+    call id the policy wrote (Mistral's), if any."""
 
     name: str
     arguments: dict[str, Any]
     raw: str = ""
+    id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -92,17 +102,21 @@ def after_reasoning(text: str) -> str:
     return text if close == -1 else text[close + len(THINK_CLOSE):]
 
 
-def parse_turn(text: str, specs: Sequence[ToolSpec]) -> TurnParse:
-    """An answer wins if its `<answer>...</answer>` closes before the first `<tool_call>`
-    opens; otherwise every tool-call block of the turn is parsed (an answer after a tool call
-    is ignored: the call's result was not seen yet). A leading `<think>...</think>` block is
-    reasoning, not an action (`after_reasoning`)."""
+def parse_turn(text: str, specs: Sequence[ToolSpec],
+               fmt: ToolCallFormat | None = None) -> TurnParse:
+    """An answer wins if its `<answer>...</answer>` closes before the first tool call starts;
+    otherwise every call of the turn is parsed, in order (an answer after a tool call is
+    ignored: the call's result was not seen yet). A leading `<think>...</think>` block is
+    reasoning, not an action (`after_reasoning`). `fmt`: the template's format (Hermes)."""
+    fmt = fmt or HERMES
     text = after_reasoning(text)
     answer = _ANSWER.search(text)
-    first_call = text.find(TOOL_CALL_OPEN)
+    first_call = fmt.first_call(text)
     if answer is not None and (first_call == -1 or answer.end() <= first_call):
         return TurnParse(answer=answer.group(1).strip())
-    return TurnParse(calls=parse_tool_calls(text, specs))
+    if first_call == -1:
+        return TurnParse()
+    return TurnParse(calls=fmt.parse_calls(text[first_call:], specs))
 
 
 def parse_tool_calls(text: str, specs: Sequence[ToolSpec]) -> list[Parsed]:
@@ -119,18 +133,32 @@ def parse_tool_calls(text: str, specs: Sequence[ToolSpec]) -> list[Parsed]:
     return parsed
 
 
-def parse_call(body: str, tools: Mapping[str, ToolSpec]) -> Parsed:
-    """One block's content: JSON `{"name": str, "arguments": object}` of a declared tool."""
+HERMES_EXAMPLE = '<tool_call>{"name": "<tool name>", "arguments": {...}}</tool_call>'
+
+
+def parse_call(body: str, tools: Mapping[str, ToolSpec], example: str = HERMES_EXAMPLE
+               ) -> Parsed:
+    """One call's JSON text: `{"name": str, "arguments": object}` of a declared tool.
+    `example` is how a call is written in the template's format (for the error message)."""
     raw = body.strip()
     try:
         payload = json.loads(raw)
     except (json.JSONDecodeError, RecursionError) as exc:
         detail = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
-        return ToolCallError(
-            "malformed_json",
-            f"Error: the tool call is not valid JSON ({detail}): {_quote(raw)}. Write "
-            f'<tool_call>{{"name": "<tool name>", "arguments": {{...}}}}</tool_call>.',
-            raw=raw)
+        return _malformed(detail, raw, example)
+    return call_from_payload(payload, raw, tools)
+
+
+def _malformed(detail: str, raw: str, example: str) -> ToolCallError:
+    return ToolCallError(
+        "malformed_json",
+        f"Error: the tool call is not valid JSON ({detail}): {_quote(raw)}. Write {example}.",
+        raw=raw)
+
+
+def call_from_payload(payload: Any, raw: str, tools: Mapping[str, ToolSpec]) -> Parsed:
+    """A decoded call, `{"name": str, "arguments" (or Llama's "parameters"): object}`,
+    checked against the declared tools."""
     if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
         return ToolCallError(
             "not_a_call",
@@ -156,7 +184,161 @@ def parse_call(body: str, tools: Mapping[str, ToolSpec]) -> Parsed:
     if problem is not None:
         return ToolCallError("bad_arguments", f"Error: bad arguments for {name}: {problem}.",
                              name=name, raw=raw)
-    return ToolCall(name, arguments, raw)
+    call_id = payload.get("id")
+    return ToolCall(name, arguments, raw, call_id if isinstance(call_id, str) else None)
+
+
+# ---------------------------------------------------------------- formats
+
+
+def _json_values(text: str) -> tuple[list[tuple[Any, str]], str]:
+    """The JSON values at the start of `text`, one after another (separated by whitespace,
+    `;` or `,`), each with its source text; and what is left that is not one."""
+    decoder = json.JSONDecoder()
+    values: list[tuple[Any, str]] = []
+    position = 0
+    while True:
+        while position < len(text) and (text[position].isspace() or text[position] in ";,"):
+            position += 1
+        if position >= len(text) or text[position] not in "[{":
+            return values, text[position:]
+        try:
+            value, end = decoder.raw_decode(text, position)
+        except (json.JSONDecodeError, RecursionError):
+            return values, text[position:]
+        values.append((value, text[position:end]))
+        position = end
+
+
+def _calls_from_json(text: str, tools: Mapping[str, ToolSpec], example: str) -> list[Parsed]:
+    """Calls written as JSON objects or lists of them; text after them that is not JSON is
+    one malformed call."""
+    parsed: list[Parsed] = []
+    values, rest = _json_values(text)
+    for value, raw in values:
+        items = value if isinstance(value, list) else [value]
+        parsed.extend(call_from_payload(item, json.dumps(item) if isinstance(value, list)
+                                        else raw, tools) for item in items)
+    if rest.strip() or not values:
+        try:
+            json.loads(rest)
+            detail = "not a call"
+        except (json.JSONDecodeError, RecursionError) as exc:
+            detail = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+        parsed.append(_malformed(detail, rest.strip(), example))
+    return parsed
+
+
+def _hermes_calls(text: str, specs: Sequence[ToolSpec]) -> list[Parsed]:
+    return parse_tool_calls(text, specs)
+
+
+def _hermes_first(text: str) -> int:
+    return text.find(TOOL_CALL_OPEN)
+
+
+PYTHON_TAG = "<|python_tag|>"
+
+
+def _llama_first(text: str) -> int:
+    """Llama's call is the whole turn: JSON from its start, or after `<|python_tag|>`."""
+    tag = text.find(PYTHON_TAG)
+    if tag != -1:
+        return tag
+    body = text.lstrip()
+    return len(text) - len(body) if body[:1] in ("{", "[") else -1
+
+
+def _llama_calls(text: str, specs: Sequence[ToolSpec]) -> list[Parsed]:
+    tools = {spec.name: spec for spec in specs}
+    body = text.strip()
+    if body.startswith(PYTHON_TAG):
+        body = body[len(PYTHON_TAG):]
+    return _calls_from_json(body, tools, LLAMA3_JSON.example)
+
+
+MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+
+
+def _mistral_first(text: str) -> int:
+    return text.find(MISTRAL_CALLS)
+
+
+def _mistral_calls(text: str, specs: Sequence[ToolSpec]) -> list[Parsed]:
+    """`[TOOL_CALLS] [{...}, ...]` (a JSON list), or `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}`
+    per call (the id optional)."""
+    tools = {spec.name: spec for spec in specs}
+    parsed: list[Parsed] = []
+    for chunk in text.split(MISTRAL_CALLS)[1:]:
+        body = chunk.strip()
+        if body[:1] in ("[", "{") or MISTRAL_ARGS not in body:
+            parsed.extend(_calls_from_json(body, tools, MISTRAL.example))
+            continue
+        head, _, arguments = body.partition(MISTRAL_ARGS)
+        name, _, call_id = head.partition(MISTRAL_CALL_ID)
+        values, rest = _json_values(arguments)
+        if len(values) != 1 or rest.strip():
+            parsed.append(_malformed("the arguments are not one JSON object", body,
+                                     MISTRAL.example))
+            continue
+        payload = {"name": name.strip(), "arguments": values[0][0]}
+        if call_id.strip():
+            payload["id"] = call_id.strip()
+        parsed.append(call_from_payload(payload, body, tools))
+    return parsed
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """How one family's chat template writes tool calls.
+
+    `keep`: special tokens the parser reads (kept when a turn is decoded for parsing; every
+    other special token is dropped). `stops`: text that ends a turn besides its end of turn,
+    where the model starts writing a tool's result itself. `end_tokens`: further end-of-turn
+    tokens of the family (Llama's `<|eom_id|>`, which it writes after a call)."""
+
+    name: str
+    example: str
+    first_call: Callable[[str], int]
+    parse_calls: Callable[[str, Sequence[ToolSpec]], list[Parsed]]
+    keep: tuple[str, ...] = ()
+    stops: tuple[str, ...] = ()
+    end_tokens: tuple[str, ...] = ()
+
+    @property
+    def corrective(self) -> str:
+        """The user turn after a turn that neither called a tool nor answered."""
+        if self.name == "hermes":
+            return TOOL_CORRECTIVE_MESSAGE
+        return ("Your previous message neither called a tool nor gave the final answer. To "
+                f"call a tool, write {self.example}. To give the final answer, write it "
+                "between <answer> and </answer>.")
+
+
+HERMES = ToolCallFormat("hermes", HERMES_EXAMPLE, _hermes_first, _hermes_calls,
+                        stops=("<tool_response>",))
+LLAMA3_JSON = ToolCallFormat("llama3_json", '{"name": "<tool name>", "parameters": {...}}',
+                             _llama_first, _llama_calls, keep=(PYTHON_TAG,),
+                             end_tokens=("<|eom_id|>",))
+MISTRAL = ToolCallFormat("mistral", '[TOOL_CALLS] [{"name": "<tool name>", "arguments": {...}}]',
+                         _mistral_first, _mistral_calls,
+                         keep=(MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID),
+                         stops=("[TOOL_RESULTS]",))
+FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
+
+
+def detect_format(chat_template: str | None) -> ToolCallFormat:
+    """The format a chat template teaches, by the markers it writes: Mistral's `[TOOL_CALLS]`,
+    Hermes' `<tool_call>`, Llama 3's `ipython` tool role; Hermes for a template that shows
+    none (it then must be taught by the prompt, as for a template that ignores tools)."""
+    template = chat_template or ""
+    if MISTRAL_CALLS in template:
+        return MISTRAL
+    if TOOL_CALL_OPEN in template:
+        return HERMES
+    if "ipython" in template or PYTHON_TAG in template:
+        return LLAMA3_JSON
+    return HERMES
 
 
 def validate(value: Any, schema: Mapping[str, Any]) -> str | None:

@@ -38,10 +38,10 @@ from services.common.formats import (
     passages_to_string,
 )
 from services.common.tool_calls import (
-    TOOL_CALL_CLOSE,
-    TOOL_CORRECTIVE_MESSAGE,
+    HERMES,
     ToolCall,
     ToolCallError,
+    detect_format,
     parse_turn,
 )
 from services.common.tools import ToolSpec
@@ -138,6 +138,7 @@ class _State:
     # turn ended on the end-of-turn token itself, and per-tool statistics.
     messages: list[dict[str, Any]] = field(default_factory=list)
     tool_results: list[tuple[str, str | None] | None] = field(default_factory=list)
+    tool_ids: list[str] = field(default_factory=list)  # each call's id, as its result names it
     turn_end: str = ""
     search_started: dict[int, float] = field(default_factory=dict)
     tool_stats: ToolStats = field(default_factory=ToolStats)
@@ -185,6 +186,9 @@ class AgentLoop:
         self._end_id: int | None = None
         self._tool_stops: tuple[str, ...] = ()
         self._tool_stop_ids: tuple[int, ...] = ()
+        self._turn_end_ids: frozenset[int] = frozenset()
+        self._drop_ids: frozenset[int] = frozenset()
+        self.tool_format = HERMES
         if self.tool_mode:
             # User functions are loaded and MCP servers listed here, at replica start: a bad
             # entry stops the replica with a one-line ToolLoadError naming it.
@@ -193,19 +197,34 @@ class AgentLoop:
             self.tool_specs = self.toolbox.specs
             self._tool_names = frozenset(self.toolbox.names)
             self.chat = ChatTurns(self.tokenizer, self.tool_specs)
-            stops = [TOOL_CALL_CLOSE]
-            stop_ids: list[int] = []
-            eos_ids = getattr(engine, "eos_ids", frozenset())
-            end = self.chat.end_of_turn
-            if end is not None:
-                self._end_id = int(self.tokenizer.convert_tokens_to_ids(end))
-                if self._end_id not in eos_ids:
-                    # The template's end of turn is not the model's EOS: stop on its id (vLLM
-                    # matches stop strings on text without special tokens) and on its text.
-                    stops.append(end)
-                    stop_ids.append(self._end_id)
-            self._tool_stops = tuple(stops)
-            self._tool_stop_ids = tuple(stop_ids)
+            self.tool_format = detect_format(getattr(self.tokenizer, "chat_template", None))
+            self._tool_stops, self._tool_stop_ids = self._turn_stops(engine)
+
+    def _turn_stops(self, engine: Engine) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """Where a tool_calls turn stops: at its end of turn (EOS, or the template's end of
+        turn and the format's other end tokens, on their ids and text), and where the model
+        starts writing a tool's result itself (`ToolCallFormat.stops`). Never at the end of
+        one call: a turn may hold several, which all run."""
+        assert self.chat is not None
+        fmt, vocab = self.tool_format, self.tokenizer.get_vocab()
+        eos_ids = getattr(engine, "eos_ids", frozenset())
+        stops, stop_ids, ends = list(fmt.stops), [], []
+        if self.chat.end_of_turn is not None:
+            self._end_id = int(self.tokenizer.convert_tokens_to_ids(self.chat.end_of_turn))
+            ends.append(self._end_id)
+        ends += [vocab[token] for token in fmt.end_tokens if token in vocab]
+        self._turn_end_ids = frozenset(ends)
+        for token_id in [*ends, *(vocab[t] for t in fmt.stops if t in vocab)]:
+            if token_id not in eos_ids and token_id not in stop_ids:
+                # vLLM matches stop strings on text without special tokens: the id as well
+                stop_ids.append(token_id)
+                text = self.tokenizer.convert_ids_to_tokens(token_id)
+                if text not in stops:
+                    stops.append(text)
+        keep = {vocab[token] for token in fmt.keep if token in vocab}
+        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+        self._drop_ids = frozenset(special - keep)
+        return tuple(stops), tuple(stop_ids)
 
     @property
     def tool_stops(self) -> tuple[str, ...]:
@@ -525,8 +544,11 @@ class AgentLoop:
         """A turn of the tool_calls protocol: an answer ends the trajectory, tool calls run
         (calculator here, search batched like <search> tags), anything else gets a corrective
         user turn. Every bad call is answered as the tool's result (never a trajectory error)."""
-        start, end, text = self._append_generated(state, output)
-        parsed = parse_turn(text, self.tool_specs)
+        start, end, _ = self._append_generated(state, output)
+        # decoded with the special tokens the format reads (Mistral's [TOOL_CALLS], ...)
+        text = self.tokenizer.decode([i for i in output.token_ids if i not in self._drop_ids],
+                                     skip_special_tokens=False)
+        parsed = parse_turn(text, self.tool_specs, self.tool_format)
         action, query = parsed.action, parsed.answer
         first = parsed.calls[0] if parsed.calls else None
         if isinstance(first, ToolCall) and first.name == "search":
@@ -548,16 +570,24 @@ class AgentLoop:
             return state
         state.rounds += 1
         # The end-of-turn token the policy generated itself is not inserted again (EOS, a stop
-        # token id, or the end of turn matched as a stop string).
-        ended = output.finish == "eos" or (
-            output.token_ids and output.token_ids[-1] == self._end_id)
-        last = output.token_ids[-1:] if ended else []
-        state.turn_end = self.tokenizer.decode(last, skip_special_tokens=False) if last else ""
+        # token id, or the end of turn matched as a stop string); another end token of the
+        # format (Llama's <|eom_id|>) stands for the template's.
+        last_id = output.token_ids[-1] if output.token_ids else None
+        ended = output.finish == "eos" or last_id == self._end_id
+        state.turn_end = (self.tokenizer.decode([last_id], skip_special_tokens=False)
+                          if ended and last_id is not None else "")
+        if last_id in self._turn_end_ids and self.chat is not None and self.chat.end_of_turn:
+            state.turn_end = self.chat.end_of_turn
         if action == "invalid":
-            self._insert_turn(state, [{"role": "user", "content": TOOL_CORRECTIVE_MESSAGE}],
+            self._insert_turn(state, [{"role": "user", "content": self.tool_format.corrective}],
                               deferred, lockstep)
             return state
         state.tool_results = [None] * len(parsed.calls)
+        # Each call's id as the policy wrote it (Mistral's), else one of nine digits: the
+        # template names the call a result answers (Mistral's requires nine characters).
+        state.tool_ids = [call.id if isinstance(call, ToolCall) and call.id
+                          and len(call.id) == 9 and call.id.isalnum() else f"{slot:09d}"
+                          for slot, call in enumerate(parsed.calls)]
         pending = False
         for slot, call in enumerate(parsed.calls):
             if isinstance(call, ToolCallError):
@@ -630,13 +660,17 @@ class AgentLoop:
     def _finish_tool_turn(self, state: _State, deferred: list[_State], lockstep: bool) -> None:
         """Every call of the turn has its result: insert them as the template's tool turn."""
         messages = []
-        for name, content in (result for result in state.tool_results if result is not None):
+        for result, call_id in zip(state.tool_results, state.tool_ids, strict=True):
+            if result is None:
+                continue
+            name, content = result
             ids = self.tokenizer.encode(content or "", add_special_tokens=False)
             if len(ids) > self.settings.max_obs_length:  # observation text only: never trained on
                 content = self.tokenizer.decode(ids[: self.settings.max_obs_length],
                                                 skip_special_tokens=False)
-            messages.append({"role": "tool", "name": name, "content": content or ""})
-        state.tool_results = []
+            messages.append({"role": "tool", "name": name, "content": content or "",
+                             "tool_call_id": call_id})
+        state.tool_results, state.tool_ids = [], []
         self._insert_turn(state, messages, deferred, lockstep)
 
     def _insert_turn(self, state: _State, messages: list[dict[str, Any]],

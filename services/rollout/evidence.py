@@ -140,7 +140,8 @@ def tool_evidence_prompts(chat: Any, prompt_ids: Sequence[int], response: Sequen
         if len(ids) > max_obs_length:
             content = tokenizer.decode(ids[:max_obs_length], skip_special_tokens=False)
         return chat.inserted_ids(messages, [{"role": "tool", "name": "search",
-                                             "content": content}], end_of.get(run_start, ""))
+                                             "content": content, "tool_call_id": "0" * 9}],
+                                 end_of.get(run_start, ""))
 
     prompt = [int(t) for t in prompt_ids]
     before = [run for run in runs if run[0] < cut]

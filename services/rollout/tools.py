@@ -5,7 +5,8 @@ corrective `user` message) from the model's own chat template, without ever re-t
 earlier turn: the inserted text is the difference between rendering a conversation that ends
 with an assistant message and rendering the same conversation with the new messages and the
 next assistant header, plus whatever of the assistant turn's closing text (`<|im_end|>\\n` in
-ChatML) the policy did not generate itself because generation stopped at `</tool_call>`. Only
+ChatML) the policy did not generate itself (generation stopped on the end-of-turn token, or on
+where the model began writing a tool result itself). Only
 that text is encoded, on its own, and appended after the generated ids, so the ids trained on
 are exactly prompt ids + generated ids + inserted ids.
 
@@ -95,11 +96,30 @@ class ChatTurns:
         follow, and the assistant turn is closed the same way. `generated_end` is the text of
         the turn's last generated token when the turn ended on the end-of-turn token itself
         (EOS or a stop token id), so that it is not inserted twice.
+
+        A template that moves the tool declarations to the last user message (Mistral's) renders
+        the prompt differently once a user message follows; the new messages are then rendered
+        without the declarations, which stay where the prompt put them (nothing generated or
+        inserted before is rendered again either way).
         """
+        try:
+            return self._inserted(context, new_messages, generated_end, tools=True)
+        except TemplateError:
+            if not self.shows_tools:
+                raise
+            try:
+                return self._inserted(context, new_messages, generated_end, tools=False)
+            except TemplateError:
+                pass
+            raise
+
+    def _inserted(self, context: Sequence[Mapping[str, Any]],
+                  new_messages: Sequence[Mapping[str, Any]], generated_end: str,
+                  tools: bool) -> str:
         before = [*context, self._assistant()]
-        without = self.render(before, False)
-        with_new = self.render([*before, *new_messages], True)
-        head = self.render(context, False) if context else ""
+        without = self.render(before, False, tools)
+        with_new = self.render([*before, *new_messages], True, tools)
+        head = self.render(context, False, tools) if context else ""
         ends = (without.rfind(PLACEHOLDER), with_new.rfind(PLACEHOLDER))
         role = new_messages[0].get("role") if new_messages else None
         if -1 in ends:

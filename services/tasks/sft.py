@@ -146,9 +146,11 @@ class ToolTurns:
         return self.chat.render(messages, True)
 
     def tool_turn(self, context: Sequence[Mapping[str, Any]], content: str) -> str:
-        """What the loop inserts after a call turn stopped at `</tool_call>`."""
+        """What the loop inserts after a call turn that ended on its end-of-turn token (a turn
+        runs to its end of turn, since it may hold several calls)."""
         return self.chat.inserted_text(context, [{"role": "tool", "name": "search",
-                                                  "content": content}])
+                                                  "content": content,
+                                                  "tool_call_id": "0" * 9}], self.end_of_turn)
 
 
 def template_tokenizer(source: str | None = None) -> Any:
@@ -225,7 +227,7 @@ class DemoBuilder:
 
     def _search_text(self, thought: str, query: str) -> str:
         if self.turns is not None:
-            return f"<think> {thought} </think>\n{search_call(query)}"
+            return f"<think> {thought} </think>\n{search_call(query)}" + self.turns.end_of_turn
         return _think_search(thought, query)
 
     def _answer_text(self, thought: str, answer: str) -> str:

@@ -33,8 +33,8 @@ def person(text: str) -> int:
 
 
 def script(engine, final: str, probe: str | None = None, seen: dict | None = None) -> None:
-    """Turn 0 searches the person's name (runs on past `</tool_call>`: the engine must stop
-    there), except the last person, who answers at once. The final turn answers right for
+    """Turn 0 searches the person's name (the turn ends on its end-of-turn token), except the
+    last person, who answers at once. The final turn answers right for
     even persons; odd persons call a tool again (not executed: max_turns) when `final` is
     "call". `probe`: how the evidence rewrites answer ("copier": the city of the last tool
     message; "memory": the question's)."""
@@ -52,10 +52,10 @@ def script(engine, final: str, probe: str | None = None, seen: dict | None = Non
             if not state.turns:
                 if number == len(PEOPLE) - 1:
                     return encode(f"<answer> {city} </answer>")
-                return encode(f"<think> look up {name} </think>\n{call(name)} and more", False)
+                return encode(f"<think> look up {name} </think>\n{call(name)}")
             if number % 2 == 0 or final == "answer":
                 return encode(f"<answer> {city} </answer>")
-            return encode(call(city), False)
+            return encode(call(city))
         if request.tag[0] != "evidence" or probe is None:
             return None
         _, qid, variant, _ = request.tag

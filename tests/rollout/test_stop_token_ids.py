@@ -63,7 +63,7 @@ def test_transformers_engine_stops_on_a_stop_token_id(engine):
 def test_tool_turns_stop_on_the_end_of_turn_id_and_never_insert_it_twice(engine):
     end, eos = base_model_engine(engine)
     tok = engine.tokenizer
-    turns = [CALC + " and more", "It is 7.<|im_end|> and more after the end of turn",
+    turns = [CALC + "<|im_end|> and more", "It is 7.<|im_end|> and more after the end of turn",
              "<answer> 7 </answer><|im_end|>"]
     encoded = [tok.encode(t, add_special_tokens=False) for t in turns]
     seen, step = [], engine.step
@@ -91,13 +91,13 @@ def test_tool_turns_stop_on_the_end_of_turn_id_and_never_insert_it_twice(engine)
         del engine.step
     assert traj.finish_reason == "answer" and [t.action for t in traj.turns] == [
         "tool", "invalid", "answer"]
-    # the invalid and answer turns ended on <|im_end|> (finish eos), nothing after it
-    assert [finish for _, finish in seen] == ["stop", "eos", "eos"]
+    # every turn ended on <|im_end|> (finish eos), nothing after it
+    assert [finish for _, finish in seen] == ["eos", "eos", "eos"]
     assert seen[1][0][-1] == end and tok.decode(seen[1][0]) == "It is 7.<|im_end|>"
     response = traj.response_ids.tolist()
     inserted = [tok.decode(response[a:b]) for a, b in spans(traj.loss_mask, 0)]
     assert inserted == [
-        "<|im_end|>\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n",
+        "\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n",
         "\n<|im_start|>user\n" + TOOL_CORRECTIVE_MESSAGE + "<|im_end|>\n<|im_start|>assistant\n"]
     assert "<|im_end|><|im_end|>" not in tok.decode(response)
 

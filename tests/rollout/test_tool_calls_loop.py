@@ -99,13 +99,12 @@ TURN_CALC = tool_call("calculator", {"expression": "1907 - 1900"})
 TURN_ANSWER = "<think> 7 years </think>\n<answer> Corvale </answer>"
 
 
-def scripted(engine, turns: list[str], tail: str = " and more text after the stop") -> None:
-    """Force the policy's turns; a tool-call turn runs on past `</tool_call>` (the engine must
-    stop on the string), the last turn ends with the end-of-turn token (EOS)."""
+def scripted(engine, turns: list[str]) -> None:
+    """Force the policy's turns, each ended by the end-of-turn token (EOS), as a policy ends
+    them: a turn never stops at `</tool_call>`, since it may hold several calls."""
     tok = engine.tokenizer
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    encoded = [tok.encode(t + (tail if "</tool_call>" in t else ""), add_special_tokens=False)
-               + ([] if "</tool_call>" in t else [eos]) for t in turns]
+    encoded = [tok.encode(t, add_special_tokens=False) + [eos] for t in turns]
 
     def forced(request):
         if request.tag[0] != "turn":
@@ -162,9 +161,9 @@ def check_concatenation(engine, url):
     assert traj.extra["tools"]["search"]["calls"] == 1
     assert traj.extra["tools"]["calculator"] == {"calls": 1, "failures": 0, "timeouts": 0, "retries": 0,
                                                  "seconds": traj.extra["tools"]["calculator"]["seconds"]}
-    # the engine stopped each call turn at the end of `</tool_call>` (several tokens here)
-    assert len(tok.encode("</tool_call>", add_special_tokens=False)) > 1
+    # each turn ran to its end-of-turn token, after its call(s)
     assert [tok.decode(s, skip_special_tokens=True) for s in seen] == [TURN_SEARCH, TURN_CALC, TURN_ANSWER]
+    assert all(s[-1] == tok.convert_tokens_to_ids("<|im_end|>") for s in seen)
     # ids = prompt + generated + inserted, in order; generated tokens are the only trained ones
     response = traj.response_ids.tolist()
     policy = [response[a:b] for a, b in spans(traj.loss_mask, 1)]
@@ -205,7 +204,7 @@ def httpx_docs(url: str, query: str) -> list[dict]:
 def test_tiny_chatml_template(engine, retriever_url):
     traj, rendered, inserted = check_concatenation(engine, retriever_url)
     tok = engine.tokenizer
-    assert tok.decode(inserted[1]) == "<|im_end|>\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(inserted[1]) == "\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
     # with canonical (forced = encoded) turns even the ids equal the whole rendering's encoding
     assert traj.prompt_ids.tolist() + traj.response_ids.tolist() == \
         tok.encode(rendered[:-1], add_special_tokens=False)
@@ -217,7 +216,7 @@ def test_qwen25_style_hermes_template(engine, retriever_url):
     traj, rendered, inserted = check_concatenation(engine, retriever_url)
     prompt = tok.decode(traj.prompt_ids.tolist())
     assert "<tools>\n" in prompt and '"name": "calculator"' in prompt  # the declarations
-    assert tok.decode(inserted[1]) == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n7\n"
+    assert tok.decode(inserted[1]) == ("\n<|im_start|>user\n<tool_response>\n7\n"
                                        "</tool_response><|im_end|>\n<|im_start|>assistant\n")
     assert traj.prompt_ids.tolist() + traj.response_ids.tolist() == \
         tok.encode(rendered[:-1], add_special_tokens=False)
@@ -277,7 +276,7 @@ def test_bad_calls_are_observations_and_the_trajectory_goes_on(engine, retriever
     # the invalid turn ended on <|im_end|> itself: the closer's <|im_end|> is not inserted twice
     assert observations[4] == ("\n<|im_start|>user\n" + TOOL_CORRECTIVE_MESSAGE
                                + "<|im_end|>\n<|im_start|>assistant\n")
-    assert all(o.startswith("<|im_end|>\n<|im_start|>tool\nError: ") for o in observations[:4])
+    assert all(o.startswith("\n<|im_start|>tool\nError: ") for o in observations[:4])
     assert seen[4][-1] == tok.convert_tokens_to_ids("<|im_end|>")
     assert [t.action for t in traj.turns] == ["tool", "tool", "tool", "tool", "invalid", "answer"]
     assert traj.extra["tools"]["unknown"]["failures"] == 2  # the malformed call and "browser"

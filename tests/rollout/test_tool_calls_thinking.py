@@ -129,13 +129,11 @@ def load(path):
 
 
 def play(engine, turns: list[str]):
-    """Force the policy's turns (a call turn runs on past `</tool_call>`; other turns end on
-    <|im_end|>); returns the trajectory and each turn's generated ids."""
+    """Force the policy's turns, each ending on <|im_end|>; returns the trajectory and each
+    turn's generated ids."""
     tok = engine.tokenizer
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    encoded = [tok.encode(t + (" and more" if "</tool_call>" in t else ""),
-                          add_special_tokens=False) + ([] if "</tool_call>" in t else [eos])
-               for t in turns]
+    encoded = [tok.encode(t, add_special_tokens=False) + [eos] for t in turns]
     engine.forced_tokens = lambda r: encoded[min(len(r.tag[1].turns), len(encoded) - 1)]
     seen, step = [], engine.step
 
@@ -157,7 +155,7 @@ def play(engine, turns: list[str]):
     return traj, seen
 
 
-TOOL_TURN = ("<|im_end|>\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n"
+TOOL_TURN = ("\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n"
              "<|im_start|>assistant\n")
 
 
@@ -181,7 +179,7 @@ def test_think_blocks_with_a_qwen3_template(qwen3_dirs):
     assert [(t.action, t.query) for t in traj.turns] == [
         ("tool", calc("1907 - 1900").split("\n")[1]), ("tool", calc("7 * 2").split("\n")[1]),
         ("answer", "14")]
-    assert [tok.decode(s) for s in seen] == [*turns[:2], turns[2] + "<|im_end|>"]
+    assert [tok.decode(s) for s in seen] == [t + "<|im_end|>" for t in turns]
     response = traj.response_ids.tolist()
     inserted = [response[a:b] for a, b in spans(traj.loss_mask, 0)]
     # trained ids = generated ids (think blocks as generated) + the template's tool turns

@@ -89,7 +89,7 @@ def test_demonstrations_are_well_formed(tokenizer):
             assert [turn_format(t, None) for t in turns] == ["tool"] * (len(turns) - 1) + [
                 "answer"]
             assert trainable[-1].endswith("</answer><|im_end|>")
-            assert all(t.endswith("</tool_call>") for t in trainable[:-1])
+            assert all(t.endswith("</tool_call><|im_end|>") for t in trainable[:-1])
             assert row["extra_info"]["protocol"] == "tool_calls"
             assert row["prompt"].endswith("<|im_start|>assistant\n")
 
@@ -124,10 +124,8 @@ def test_sft_tokens_equal_the_agent_loop_s(tiny_policy_dir, template):
     assert [r["extra_info"]["searches"] for r in rows] == [1, 2]
     for row, question in zip(rows, QUESTIONS, strict=True):
         sample = encode_row(tok, row["prompt"], row["segments"], 10**6)
-        # the policy writes the demonstration's turns; a call turn runs on past `</tool_call>`
-        # (the engine must stop there), the answer ends with <|im_end|> (EOS)
-        scripts = [tok.encode(s["text"] + ("" if s["text"].endswith("<|im_end|>") else " more"),
-                              add_special_tokens=False)
+        # the policy writes the demonstration's turns, each ending on <|im_end|> (EOS)
+        scripts = [tok.encode(s["text"], add_special_tokens=False)
                    for s in row["segments"] if s["trainable"]]
         engine.forced_tokens = lambda request, scripts=scripts: (
             scripts[min(len(request.tag[1].turns), len(scripts) - 1)]
