@@ -22,6 +22,11 @@ from tests.suite_rules import pytest_configure as _suite_rules_configure
 
 def pytest_configure(config) -> None:
     _suite_rules_configure(config)
+
+
+@pytest.hookimpl(trylast=True)  # after xdist's own, which registers its controller ("dsession")
+def pytest_sessionstart(session) -> None:
+    config = session.config
     if config.pluginmanager.hasplugin("dsession"):  # the xdist controller of a parallel run
         config.pluginmanager.register(parallel.Controller(config), "forage-xdist-controller")
 

@@ -14,6 +14,7 @@ from tests import parallel
 from tests.deploy import image_build
 
 REPO = Path(__file__).resolve().parents[1]
+pytest_plugins = ["pytester"]
 
 
 def _items(*nodeids: str) -> list[SimpleNamespace]:
@@ -82,3 +83,21 @@ def test_a_worker_attaches_to_the_controllers_engine(tmp_path: Path) -> None:
     assert error is None
     assert engine.env["DOCKER_HOST"] == f"unix://{root / 'docker.sock'}"
     assert engine.proc is None  # attached, never started (or stopped) by this process
+
+
+def test_the_controller_plugin_is_registered_in_a_parallel_run_only(pytester, monkeypatch):
+    """xdist registers its controller in a trylast pytest_configure, after every conftest's:
+    ours must look for it later (it once did not, and the image build never started)."""
+    pytester.makeconftest(
+        "from tests.conftest import pytest_sessionstart  # noqa: F401\n\n"
+        "def pytest_terminal_summary(terminalreporter, config):\n"
+        "    plugin = config.pluginmanager.get_plugin('forage-xdist-controller')\n"
+        "    terminalreporter.write_line(f'controller plugin: {plugin is not None}')\n")
+    pytester.makepyfile(test_one="def test_one():\n    pass\n")
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    parallel_run = pytester.runpytest_subprocess("-p", "xdist.plugin", "-n", "2",
+                                                 "-p", "no:cacheprovider")
+    parallel_run.stdout.fnmatch_lines(["controller plugin: True"])
+    serial_run = pytester.runpytest_subprocess("-p", "xdist.plugin", "-p", "no:cacheprovider")
+    serial_run.stdout.fnmatch_lines(["controller plugin: False"])
