@@ -456,3 +456,23 @@ def test_redis_keeps_its_append_only_file_on_a_volume(deploy, rendered):
                and o["metadata"]["name"] == claim)
     assert pvc["spec"]["accessModes"] == ["ReadWriteOnce"]
     assert redis["spec"]["strategy"]["type"] == "Recreate"
+
+
+@pytest.mark.parametrize("layout", [None, "cpu", 1, 2, 8])
+def test_every_built_service_names_a_dockerfile_that_exists(deploy, layout):
+    """`docker compose -f docker-compose.yml -f LAYOUT build` builds every service with a
+    `build:` section: each must name a context and Dockerfile that exist, relative to the
+    project directory (the first file's folder). deploy/compose/cpu.yml once gave its `data`
+    service `build: {target: cpu}` alone, so Compose looked for ./Dockerfile."""
+    files = [deploy.COMPOSE_FILE]
+    if layout == "cpu":
+        files.append(REPO / "deploy" / "compose" / "cpu.yml")
+    elif layout is not None:
+        files.append(deploy.LAYOUTS[layout])
+    services = deploy.compose_model(*files, env=deploy.USER_ENV)["services"]
+    built = {name: s["build"] for name, s in services.items() if "build" in s}
+    assert built
+    for name, build in built.items():
+        context = REPO / build.get("context", ".")
+        dockerfile = context / build.get("dockerfile", "Dockerfile")
+        assert dockerfile.is_file(), f"{name}: docker compose build looks for {dockerfile}"
