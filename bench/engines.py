@@ -17,6 +17,11 @@ the same machine and the same prompts:
 Last line: `ratio: <vllm / transformers single-turn> <vllm / transformers multi-turn>` at
 float32. Default model: SmolLM2-135M-Instruct imported from its packaged GGUF file.
 
+Each row runs in a process of its own: vLLM's CPU backend sets thread counts, OpenMP binding
+and CPU affinity for the process that starts it (with its default VLLM_CPU_OMP_THREADS_BIND=auto
+on 2 cores: one core for vLLM, the other reserved), and an engine measured after it in the same
+process ran on what was left (the transformers engine at a quarter of its speed).
+
     .venv/bin/python bench/engines.py [--model DIR] [--engines vllm transformers]
 """
 
@@ -24,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -118,6 +125,28 @@ def mismatch(trajectories, model_dir: str) -> dict[str, float]:
     return out
 
 
+def measure_row(args: argparse.Namespace, model: str, kind: str, dtype: str) -> dict:
+    """One engine at one dtype, in this process: start, single turn, multi-turn, mismatch."""
+    from rollout import start_retriever  # bench/rollout.py's stand-in retriever
+
+    proc, url = start_retriever(args.retrieve_ms / 1000)
+    try:
+        start = time.perf_counter()
+        engine = start_engine(kind, model, dtype, args.batch * 2, not args.compiled)
+        started = time.perf_counter() - start
+        single = single_turn(engine, args.batch, args.new_tokens, args.repeats)
+        multi, trajectories = multi_turn(engine, url, args.groups, args.n, args.turn_tokens)
+        if hasattr(engine, "close"):
+            engine.close()
+        del engine
+    finally:
+        proc.terminate()
+    return {"engine": kind, "dtype": dtype, "start_s": started, "single_tok_s": single,
+            "multi_policy_tok_s": multi, "threads_bind": os.environ.get(
+                "VLLM_CPU_OMP_THREADS_BIND", "auto"), "compiled": bool(args.compiled),
+            **mismatch(trajectories, model)}
+
+
 def default_model() -> str:
     from services.tasks.model_import import import_gguf
 
@@ -142,32 +171,27 @@ def main() -> None:
     parser.add_argument("--compiled", action="store_true",
                         help="vLLM without enforce_eager (its compiled graphs)")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--row", help=argparse.SUPPRESS)  # ENGINE:DTYPE, in a child process
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from rollout import start_retriever  # bench/rollout.py's stand-in retriever
-
     model = args.model or default_model()
-    proc, url = start_retriever(args.retrieve_ms / 1000)
+    if args.row:
+        kind, dtype = args.row.split(":")
+        print(json.dumps(measure_row(args, model, kind, dtype)), flush=True)
+        return
     rows = []
-    try:
-        for dtype in args.dtypes:
-            for kind in args.engines:
-                start = time.perf_counter()
-                engine = start_engine(kind, model, dtype, args.batch * 2, not args.compiled)
-                started = time.perf_counter() - start
-                single = single_turn(engine, args.batch, args.new_tokens, args.repeats)
-                multi, trajectories = multi_turn(engine, url, args.groups, args.n,
-                                                 args.turn_tokens)
-                if hasattr(engine, "close"):
-                    engine.close()
-                del engine
-                row = {"engine": kind, "dtype": dtype, "start_s": started,
-                       "single_tok_s": single, "multi_policy_tok_s": multi,
-                       **mismatch(trajectories, model)}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    finally:
-        proc.terminate()
+    for dtype in args.dtypes:
+        for kind in args.engines:
+            argv = [a for a in sys.argv[1:]]
+            if args.model is None:
+                argv += ["--model", model]
+            done = subprocess.run([sys.executable, __file__, *argv, "--row", f"{kind}:{dtype}"],
+                                  stdout=subprocess.PIPE, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"{kind} {dtype}: the row's process exited {done.returncode}")
+            row = json.loads(done.stdout.strip().splitlines()[-1])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     print()
     print(f"{'engine':12} {'dtype':9} {'start s':>8} {'1-turn tok/s':>13} {'multi tok/s':>12} "
           f"{'mean|dlogp|':>12} {'max|dlogp|':>11} {'ratio std':>10} {'ratio min..max':>16}")
