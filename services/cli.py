@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Iterable, Sequence
 
@@ -127,6 +129,15 @@ def build_parser(group: str) -> ForageParser:
     return parser
 
 
+def _reader_went_away() -> int:
+    """stdout's reader closed the pipe (`forage doctor --json | head`): stop quietly, with the
+    status a process killed by SIGPIPE has (`yes | head`), and point stdout at /dev/null so the
+    interpreter's last flush does not raise again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
@@ -163,9 +174,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         result = handler(namespace)
+        sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
     except KeyboardInterrupt:
         print(f"forage {group}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return _reader_went_away()
     except Exception as exc:  # one line for an expected failure, a traceback for a bug
         return report_failure(group, exc)
     return int(result or 0)

@@ -345,3 +345,17 @@ def test_expected_failures_are_classified_from_real_exceptions(tmp_path):
     assert expected_failure(KeyError("x")) is None
     assert expected_failure(OSError(errno.ENOENT, "No such file")) is None
     assert expected_failure(ValueError("a bug")) is None
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """`forage doctor --json | head`: the reader is gone before the command writes; it stops
+    with SIGPIPE's status and no traceback (it once ended in "internal error
+    (BrokenPipeError)")."""
+    read_end, write_end = os.pipe()
+    proc = subprocess.Popen([*FORAGE, "config", "reference"], cwd=REPO, stdout=write_end,
+                            stderr=subprocess.PIPE)
+    os.close(write_end)
+    os.close(read_end)  # before the command has imported anything, let alone written
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141, err.decode()
+    assert b"internal error" not in err and b"Traceback" not in err and b"Exception" not in err
