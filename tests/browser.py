@@ -27,3 +27,17 @@ def launch(driver):
     return driver.chromium.launch(
         executable_path=CHROMIUM, headless=True,
         args=[flag for flag in CHROMIUM_FLAGS if flag != "--headless"])
+
+
+def watched_page(browser, problems: list[str], local_prefix: str):
+    """A 1280x900 page that appends to `problems` every console error or warning, page error,
+    failed request, and request to anything outside `local_prefix` (the page under test must
+    load nothing from elsewhere)."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}")
+            if m.type in ("error", "warning") else None)
+    page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
+    page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url}"))
+    page.on("request", lambda r: problems.append(f"remote request: {r.url}")
+            if not r.url.startswith(local_prefix) else None)
+    return page

@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 import mkdocs_hooks
-from tests.browser import launch, needs_chromium
+from tests.browser import launch, needs_chromium, watched_page
 from tests.suite_rules import import_or_skip
 from tests.test_docs_truth import github_anchors
 
@@ -128,12 +128,7 @@ def test_served_site_home_and_search_in_chromium() -> None:
             time.sleep(0.2)
         with playwright.sync_playwright() as driver:
             browser = launch(driver)
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}")
-                    if m.type in ("error", "warning") else None)
-            page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
-            page.on("request", lambda r: problems.append(f"remote request: {r.url}")
-                    if not r.url.startswith(base) else None)
+            page = watched_page(browser, problems, base)
             page.goto(base, wait_until="load")
             title = page.inner_text("article h1")
             nav = page.eval_on_selector_all("nav.md-nav--primary a.md-nav__link",

@@ -28,7 +28,7 @@ from services.launch.report import (
     wilson_interval,
     write_report,
 )
-from tests.browser import launch, needs_chromium
+from tests.browser import launch, needs_chromium, watched_page
 from tests.suite_rules import import_or_skip
 
 REAL = Path(__file__).with_name("data") / "metrics_real.jsonl"
@@ -229,13 +229,7 @@ def test_index_html_renders_in_headless_chromium(tmp_path, tiny_policy_dir):
     problems: list[str] = []
     with playwright.sync_playwright() as driver:
         browser = launch(driver)
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
-        page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}")
-                if m.type in ("error", "warning") else None)
-        page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
-        page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url}"))
-        page.on("request", lambda r: problems.append(f"remote request: {r.url}")
-                if not r.url.startswith("file://") else None)
+        page = watched_page(browser, problems, "file://")
         page.goto(page_path.as_uri(), wait_until="load")
         images = page.eval_on_selector_all(
             "img", "imgs => imgs.map(i => [i.getAttribute('src'), i.complete, i.naturalWidth])")

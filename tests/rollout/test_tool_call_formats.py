@@ -32,6 +32,7 @@ from services.common.tools import tool_specs
 from services.common.trajectory import PromptGroup
 from services.rollout.agent import AgentLoop, LoopSettings
 from services.rollout.retrieval import RetrieverClient
+from tests.rollout.scripted_turns import record_generated_turns
 
 from .test_agent import spans
 from .test_tool_calls_loop import QWEN25_TEMPLATE, httpx_docs
@@ -117,14 +118,7 @@ def small_engine(tokenizer, tiny_policy_dir):
 def play(engine, url, turns: list[list[int]], **settings):
     """Script the policy's turns (token ids); returns the trajectory and the generated ids."""
     engine.forced_tokens = lambda r: turns[min(len(r.tag[1].turns), len(turns) - 1)]
-    seen, step = [], engine.step
-
-    def recorded():
-        outputs = step()
-        seen.extend(list(o.token_ids) for o in outputs if o.request.tag[0] == "turn")
-        return outputs
-
-    engine.step = recorded
+    seen = record_generated_turns(engine)
     retriever = RetrieverClient(url, topk=2, timeout_s=5, retries=1, backoff_s=0.01)
     loop = AgentLoop(engine, LoopSettings(protocol="tool_calls", tools=("search", "calculator"),
                                           max_tokens_per_turn=200, **settings), retriever)

@@ -22,6 +22,7 @@ from services.common.tools import tool_specs
 from services.common.trajectory import PromptGroup
 from services.rollout.agent import AgentLoop, LoopSettings
 from services.rollout.retrieval import RetrieverClient
+from tests.rollout.scripted_turns import record_generated_turns as recording
 from tests.suite_rules import missing_package
 
 from .test_agent import spans
@@ -112,20 +113,6 @@ def scripted(engine, turns: list[str]) -> None:
         return encoded[min(len(request.tag[1].turns), len(encoded) - 1)]
 
     engine.forced_tokens = forced
-
-
-def recording(engine) -> list[list[int]]:
-    """Each turn's generated ids, as the engine returned them."""
-    seen: list[list[int]] = []
-    step = engine.step
-
-    def recorded():
-        outputs = step()
-        seen.extend(list(o.token_ids) for o in outputs if o.request.tag[0] == "turn")
-        return outputs
-
-    engine.step = recorded
-    return seen
 
 
 def tool_loop(engine, url, **settings) -> AgentLoop:

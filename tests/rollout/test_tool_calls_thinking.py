@@ -22,6 +22,7 @@ from services.common.tools import tool_specs
 from services.common.trajectory import PromptGroup
 from services.rollout.agent import AgentLoop, LoopSettings
 from services.rollout.tools import PLACEHOLDER, ChatTurns
+from tests.rollout.scripted_turns import record_generated_turns
 
 from .test_agent import spans
 
@@ -135,14 +136,7 @@ def play(engine, turns: list[str]):
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     encoded = [tok.encode(t, add_special_tokens=False) + [eos] for t in turns]
     engine.forced_tokens = lambda r: encoded[min(len(r.tag[1].turns), len(encoded) - 1)]
-    seen, step = [], engine.step
-
-    def recorded():
-        outputs = step()
-        seen.extend(list(o.token_ids) for o in outputs if o.request.tag[0] == "turn")
-        return outputs
-
-    engine.step = recorded
+    seen = record_generated_turns(engine)
     loop = AgentLoop(engine, LoopSettings(protocol="tool_calls", tools=TOOLS,
                                           max_tokens_per_turn=200))
     try:
