@@ -36,6 +36,7 @@ import yaml
 from services.common.config import load_config
 from services.common.ports import free_port
 from services.learner.distributed import NODE_RANK_ENV
+from tests.process_tree import kill_tree
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "configs/search_r1_nq_hotpotqa.yaml"
@@ -216,20 +217,6 @@ tr '\\0' '\\n' < /proc/$PPID/cmdline > "$PROBE_OUT/torchrun-$FORAGE_NODE_RANK"
 """
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """torchrun and its ranks (each in a session of its own, so not its process group)."""
-    try:
-        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for process in tree:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait(timeout=30)
-
-
 def _listener(pids: list[int], port: int) -> int | None:
     for pid in pids:
         try:
@@ -292,7 +279,7 @@ def test_the_pods_launch_words_make_pod_0_the_rendezvous_host(deploy, variant, t
     finally:
         for pod in pods.values():
             if pod.poll() is None:
-                _kill_tree(pod)
+                kill_tree(pod)
     parser = get_args_parser()
     for i in range(replicas):
         words = (out / f"torchrun-{i}").read_text().split("\n")

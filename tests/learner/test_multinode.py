@@ -22,10 +22,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-import psutil
 import pytest
 
 from services.learner import distributed as D
+from tests.process_tree import kill_tree
 
 
 def _helpers(name: str):
@@ -59,20 +59,8 @@ def node_env(node: int) -> dict[str, str]:
 
 
 def kill_node(proc: subprocess.Popen) -> None:
-    """SIGKILL a node: its torchrun and every process under it. torchrun starts each rank in a
-    session of its own, so killing torchrun alone would leave the rank running (and training);
-    a lost machine takes both."""
-    try:
-        root = psutil.Process(proc.pid)
-        tree = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for process in tree:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait(timeout=30)
+    """SIGKILL a node: its torchrun and every process under it (a lost machine takes both)."""
+    kill_tree(proc)
 
 
 def test_placement_and_lost_peer_classification() -> None:
