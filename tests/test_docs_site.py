@@ -106,6 +106,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def search_until_results(page, query: str, timeout_error: type, deadline_s: float = 120) -> None:
+    """Type `query` into the site's search box until results are listed, as a reader retypes.
+
+    The search index is built in a web worker after the page loads; a query typed before the
+    index is ready is dropped and not re-run when it is (seen here: the box reads "Type to start
+    searching" seconds before queries answer, and longer under load)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        page.fill("input.md-search__input", "")
+        page.fill("input.md-search__input", query)
+        try:
+            page.wait_for_selector(".md-search-result__item", timeout=5_000)
+            return
+        except timeout_error:
+            assert time.monotonic() < deadline, f"no search results for {query!r} in {deadline_s} s"
+
+
 @needs_chromium
 def test_served_site_home_and_search_in_chromium() -> None:
     playwright = import_or_skip("playwright.sync_api", "playwright (dev extra) drives the browser")
@@ -133,8 +150,7 @@ def test_served_site_home_and_search_in_chromium() -> None:
             title = page.inner_text("article h1")
             nav = page.eval_on_selector_all("nav.md-nav--primary a.md-nav__link",
                                             "links => links.map(a => a.textContent.trim())")
-            page.fill("input.md-search__input", "weight sync")
-            page.wait_for_selector(".md-search-result__item", timeout=30_000)
+            search_until_results(page, "weight sync", playwright.TimeoutError)
             meta = page.inner_text(".md-search-result__meta")
             first = page.get_attribute(".md-search-result__item a", "href")
             browser.close()

@@ -20,6 +20,7 @@ nothing here depends on the node count. Two things do:
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Iterable
 
@@ -43,7 +44,17 @@ def ensure_distributed() -> None:
         os.environ["LOCAL_RANK"] = "0"
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend=backend)
+    atexit.register(shutdown)
     _check_driver_node()
+
+
+def shutdown() -> None:
+    """Destroy the process group before the interpreter exits (registered at exit by
+    `ensure_distributed`). Left to exit-time destructors, a gloo group can abort its rank
+    ("terminate called without an active exception", SIGABRT) after its work is done, which
+    turns a finished run into a failed one; PyTorch asks for an explicit destroy for NCCL too."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class NodePlacementError(ValueError):

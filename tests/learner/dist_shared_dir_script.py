@@ -48,11 +48,6 @@ def main() -> None:
     result["agreed_shared"] = str(agreed_checkpoint(out / "ckpt0"))
     (out / f"result_rank{rank}.json").write_text(json.dumps(result))
     D.barrier()
-    # Before the interpreter exits: a gloo group torn down by exit-time destructors can abort a
-    # rank ("terminate called without an active exception", seen once beside a busy worker).
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -85,6 +85,23 @@ def test_placement_and_lost_peer_classification() -> None:
     assert D.lost_peer(ValueError("bad")) is None
 
 
+def test_process_group_is_destroyed_before_the_interpreter_exits() -> None:
+    """A process that joined a group destroys it at exit, before exit-time destructors run
+    (left to them, a gloo rank can abort with SIGABRT after its work is done). The probe is
+    registered before the group, so it runs after `shutdown` (atexit runs last-in first-out)."""
+    import sys
+
+    probe = ("import atexit, torch.distributed as dist\n"
+             "atexit.register(lambda: print('initialized at exit:', dist.is_initialized()))\n"
+             "from services.learner import distributed as D\n"
+             "D.ensure_distributed()\n"
+             "assert dist.is_initialized()\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "initialized at exit: False", result.stdout
+
+
 def test_checkpoint_dir_must_be_shared_by_every_rank(tmp_path) -> None:
     """One directory passes; a directory per rank is refused on both ranks (neither hangs), and
     so is one rank 0 cannot write; a checkpoint that rank 0 sees and the other rank cannot read
