@@ -14,8 +14,8 @@ demo.json): held-out greedy EM before and after RL, overall and per data source;
 question before and after; the probe curve of correct trajectories at the 0% and 100% cuts
 (averaged over every step that probed); what the warm start reached; wall time, and per phase
 (world, policy, SFT, RL; from demo.json). Then the
-target check (median EM gain >= +15 points, minimum >= +10, searches up, probe
-rising from 0% to 100%, each demo <= 15 minutes) and, last line, `ratio: median gain / 15`.
+target check (EM gain >= +30 points on every world, searches up, probe
+rising from 0% to 100%, each demo <= 10 minutes) and, last line, `ratio: median gain / 30`.
 
 `--readme` writes the table into bench/README.md between the efficacy markers. `--table-only`
 rebuilds the table from OUT without running anything; `--resume` skips seeds whose demo
@@ -44,7 +44,7 @@ from services.launch.report import has_probe, probe_curve, read_metrics  # noqa:
 
 README = REPO / "bench" / "README.md"
 BEGIN, END = "<!-- efficacy:begin -->", "<!-- efficacy:end -->"
-TARGET_MEDIAN, TARGET_MIN, TARGET_WALL_S = 0.15, 0.10, 15 * 60
+TARGET_MEDIAN, TARGET_MIN, TARGET_WALL_S = 0.30, 0.30, 10 * 60
 
 
 def clean_env() -> dict[str, str]:
@@ -198,13 +198,13 @@ def verdict(rows: list[dict[str, Any]]) -> tuple[list[str], float]:
                    and r["probe_correct_100"] > r["probe_correct_0"])
     walls = [r["wall_s"] for r in rows if r["wall_s"] is not None]
     checks = [
-        (f"median EM gain {100 * median:+.1f} points (target ≥ +15)", median >= TARGET_MEDIAN),
-        (f"minimum EM gain {100 * least:+.1f} points (target ≥ +10)", least >= TARGET_MIN),
+        (f"median EM gain {100 * median:+.1f} points (target ≥ +30)", median >= TARGET_MEDIAN),
+        (f"minimum EM gain {100 * least:+.1f} points (target ≥ +30)", least >= TARGET_MIN),
         (f"searches per question up on {searches_up}/{len(rows)} worlds",
          searches_up == len(rows)),
         (f"probe curve of correct trajectories rising 0% → 100% on {probe_up}/{len(rows)}",
          probe_up == len(rows)),
-        (f"longest demo {max(walls) / 60:.1f} min (target ≤ 15)" if walls else "no wall times",
+        (f"longest demo {max(walls) / 60:.1f} min (target ≤ 10)" if walls else "no wall times",
          bool(walls) and max(walls) <= TARGET_WALL_S),
     ]
     return [f"- {'met' if ok else 'NOT met'}: {text}" for text, ok in checks], median
@@ -262,7 +262,7 @@ def main() -> int:
     if args.readme:
         write_readme(block)
         print(f"table written to {README}")
-    print(f"ratio: {median / TARGET_MEDIAN:.2f}  (median EM gain / 15 points)")
+    print(f"ratio: {median / TARGET_MEDIAN:.2f}  (median EM gain / 30 points)")
     return 0 if rows else 1
 
 

@@ -255,6 +255,19 @@ def rl_overrides(out: Path, policy: Path) -> list[str]:
             "scorer.port=0", "scorer.metrics_port=0", f"learner.checkpoint_dir={out / 'checkpoints'}"]
 
 
+def early_stop_line(records: list[dict[str, Any]], total_steps: int) -> str | None:
+    """What the console says when RL ended before `total_steps` because held-out EM stopped
+    improving (learner.early_stop_patience), from the run's metrics lines; None otherwise."""
+    steps = [int(r["step"]) for r in records if r.get("kind") == "train" and "step" in r]
+    evals = [r for r in records if r.get("kind") == "eval" and r.get("eval/em") is not None]
+    if not steps or max(steps) >= total_steps or not evals:
+        return None
+    best = max(evals, key=lambda r: r["eval/em"])
+    return (f"      RL stopped at step {max(steps)} of {total_steps}: held-out EM stopped "
+            f"improving (best {100 * best['eval/em']:.1f}% at step {best['step']}; "
+            "learner.early_stop_patience)")
+
+
 def run_demo(out: Path, quick: bool = False, overrides: list[str] | None = None,
              fresh: bool = False, rollouts: int = 1) -> int:
     from services.launch.progress import MetricsFollower
@@ -297,6 +310,9 @@ def run_demo(out: Path, quick: bool = False, overrides: list[str] | None = None,
     if code != 0:
         _say(f"forage demo: the run stopped (learner exit {code}); logs in {out / 'logs'}")
         return code
+    stop = early_stop_line(follower.records, run_cfg.learner.total_steps)
+    if stop:
+        _say(stop)
     info = {"wall_seconds": time.monotonic() - started, "quick": quick, "phases": timings,
             "config": str(out / "config.yaml"), "namespace": namespace,
             "warm_start": read_warm_start(out / "sft")}

@@ -77,6 +77,7 @@ from services.learner.checkpoint import (
     save_checkpoint,
     trim_metrics,
 )
+from services.learner.early_stop import plateau_message, plateau_reached
 from services.learner.loop_state import BASELINE_SUFFIX, GroupLedger, baseline_uid, sample_index
 from services.learner.packing import Sample
 from services.learner.prompts import (
@@ -189,6 +190,7 @@ class LearnerLoop:
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.rank = 0  # known once the trainer has joined the process group
         self.stopping = False
+        self.plateaued = False  # held-out EM stopped improving (learner.early_stop_patience)
         self.started = time.monotonic()
         self.state = TrainerState()
         self.version = 1
@@ -362,7 +364,8 @@ class LearnerLoop:
             done = set(self.state.data_cursor.get("evals_done", []))
             if self.learner.eval_before and self.state.step == 0 and 0 not in done:
                 self._evaluate()
-            while self.state.step < self.learner.total_steps and not self.stopping:
+            while (self.state.step < self.learner.total_steps and not self.stopping
+                   and not self.plateaued):
                 if self._out_of_time():
                     log.warning("learner.max_wall_s=%.0f reached at step %d; stopping",
                                 self.learner.max_wall_s, self.state.step)
@@ -674,7 +677,19 @@ class LearnerLoop:
         if (learner.eval_every and self.state.step % learner.eval_every == 0
                 and self.state.step < learner.total_steps):
             self._evaluate()
+            self._check_plateau()
         return True
+
+    def _check_plateau(self) -> None:
+        """Stop after this step when held-out EM has plateaued (services/learner/early_stop.py).
+        The evaluations come from the run's metrics history, which a resumed run restores."""
+        learner = self.learner
+        history = [(int(r["step"]), float(r["eval/em"])) for r in self.state.metrics_history
+                   if r.get("kind") == "eval" and r.get("eval/em") is not None]
+        if plateau_reached(history, learner.early_stop_min_steps, learner.early_stop_patience,
+                           learner.early_stop_min_delta):
+            log.info(plateau_message(history, learner.early_stop_patience))
+            self.plateaued = True
 
     def _train_collective(
         self, samples: list[Sample] | None, items: list[ScoredTrajectory] | None,

@@ -249,6 +249,26 @@ def test_eval_never_counts_a_failed_search(tmp_path, redis_url, namespace, tiny_
     assert "left out of this evaluation" in log.read_text()
 
 
+def test_held_out_plateau_stops_the_run_early(tmp_path, redis_url, namespace, tiny_policy):
+    """learner.early_stop_patience: the scripted replica answers every evaluation question
+    wrongly, so held-out EM never beats the evaluation before training; from
+    early_stop_min_steps on the run stops after that step's evaluation (no evaluation
+    repeated), checkpointed, with one line saying why, long before total_steps."""
+    config = write_run(tmp_path, redis_url, namespace, tiny_policy, total_steps=10,
+                       eval_before=True, eval_at_end=True, eval_every=1, save_every=100,
+                       early_stop_patience=1, early_stop_min_steps=2)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["data"]["test_files"] = cfg["data"]["train_files"]
+    config.write_text(yaml.safe_dump(cfg))
+    log = tmp_path / "learner.log"
+    run_to_end(config, log, Script(redis_url, namespace), lambda group, nth: "normal")
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in metrics if m["kind"] == "eval"] == [0, 1, 2]
+    assert max(m["step"] for m in metrics if m["kind"] == "train") == 2
+    assert "stopping early (learner.early_stop_patience)" in log.read_text()
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+
+
 def test_gae_with_pf_ppo_trains_on_the_drawn_batch(tmp_path, redis_url, namespace,
                                                     tiny_policy):
     """verl's PF-PPO in the loop: with GAE and use_pf_ppo the update trains on the batch

@@ -148,6 +148,14 @@ class LearnerSection(Section):
     eval_before: bool = True
     eval_every: int = Field(default=0, ge=0)  # RL steps between evaluations (0: none between)
     eval_at_end: bool = True  # evaluate after the last step
+    # Early stop on a held-out plateau (services/learner/early_stop.py): from step
+    # `early_stop_min_steps` on, after an evaluation, stop when none of the last
+    # `early_stop_patience` evaluations (0: never stop early) beat the best one before them by
+    # more than `early_stop_min_delta` (EM). Needs eval_every > 0. The run's final EM is its
+    # last evaluation.
+    early_stop_patience: int = Field(default=0, ge=0)  # evaluations without a new best; 0: off
+    early_stop_min_steps: int = Field(default=0, ge=0)  # never stop early before this step
+    early_stop_min_delta: float = Field(default=0.0, ge=0)  # EM a new best must add
     # The evaluation's time limit, counted from when a replica takes its first question.
     eval_timeout_s: float = Field(default=600.0, gt=0)
     # Questions per evaluation (0: every test row): a fixed subset, proportional per
@@ -205,6 +213,9 @@ class LearnerSection(Section):
     def _one_warmup(self) -> LearnerSection:
         if self.warmup_ratio is not None and self.warmup_steps:
             raise ValueError("set learner.warmup_steps or learner.warmup_ratio, not both")
+        if self.early_stop_patience and not self.eval_every:
+            raise ValueError("learner.early_stop_patience needs learner.eval_every > 0 (the "
+                             "evaluations it compares)")
         if self.sft_until is not None and not self.sft_eval_every:
             raise ValueError("learner.sft_until needs learner.sft_eval_every > 0 (how often the "
                              "skills are measured)")
