@@ -1,8 +1,9 @@
 """When held-out EM has stopped improving: the RL loop's early stop (`learner.early_stop_*`).
 
-Why: on the demo's worlds almost all of RL's held-out gain comes in its first 25-75 steps and
-the rest of a fixed 200-step run moves EM within the evaluation's noise (bench/README.md,
-"Efficacy"). Stopping there halves the run without changing what it reaches.
+Why: a fixed `total_steps` either stops a run that is still learning or spends steps on one
+that has stopped; on the demo's worlds most of RL's held-out gain comes in its first 50 steps.
+A noisy evaluation makes the rule cut some runs at a dip, so it is off unless a config sets it
+(bench/README.md, "Efficacy": a trial where it stopped three of four worlds at step 50).
 
 The rule, checked after each evaluation: once the run is at least `min_steps` steps in, stop
 when none of the last `patience` evaluations beat the best evaluation before them (the one
