@@ -27,6 +27,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from services.common.config import ConfigError
 from services.common.ports import free_port
 
 NODE_RANK_ENV = "FORAGE_NODE_RANK"
@@ -42,6 +43,19 @@ def ensure_distributed() -> None:
         os.environ["RANK"] = "0"
         os.environ["WORLD_SIZE"] = "1"
         os.environ["LOCAL_RANK"] = "0"
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    if missing and os.environ["WORLD_SIZE"].strip() == "1":
+        # RANK / WORLD_SIZE left by another tool, no launcher: one rank has no peer to meet,
+        # so its own loopback rendezvous is the right one
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        if not os.environ.get("MASTER_PORT"):
+            os.environ["MASTER_PORT"] = str(free_port())
+    elif missing:
+        raise LauncherEnvError(
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']} and RANK={os.environ['RANK']} are set but "
+            f"{' and '.join(missing)} not: start the ranks with torchrun (or deepspeed), which "
+            "sets all four, or unset RANK and WORLD_SIZE for a single process")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend=backend)
     atexit.register(shutdown)
@@ -55,6 +69,11 @@ def shutdown() -> None:
     turns a finished run into a failed one; PyTorch asks for an explicit destroy for NCCL too."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+class LauncherEnvError(ConfigError):
+    """RANK / WORLD_SIZE say several ranks, but the rendezvous address is missing (a usage
+    error: one line, exit 2)."""
 
 
 class NodePlacementError(ValueError):

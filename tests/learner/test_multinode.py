@@ -102,6 +102,30 @@ def test_process_group_is_destroyed_before_the_interpreter_exits() -> None:
     assert result.stdout.strip() == "initialized at exit: False", result.stdout
 
 
+def test_rank_variables_without_a_rendezvous_address() -> None:
+    """RANK / WORLD_SIZE left in the environment without MASTER_ADDR / MASTER_PORT (another
+    tool set them; seen in the suite): one rank makes its own loopback group; several ranks get
+    one line naming the missing variables and exit 2, not a traceback."""
+    import os
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    one = subprocess.run(
+        [sys.executable, "-c", "from services.learner import distributed as D\n"
+         "D.ensure_distributed(); print(D.world_size())"],
+        env={**env, "RANK": "0", "WORLD_SIZE": "1"}, cwd=root, capture_output=True, text=True,
+        timeout=120)
+    assert one.returncode == 0 and one.stdout.strip() == "1", one.stderr[-2000:]
+    two = subprocess.run(
+        [sys.executable, "-c", "from services.common.config import ConfigError\n"
+         "from services.learner import distributed as D\n"
+         "try:\n    D.ensure_distributed()\nexcept ConfigError as exc:\n    print(exc)"],
+        env={**env, "RANK": "0", "WORLD_SIZE": "2"}, cwd=root, capture_output=True, text=True,
+        timeout=120)
+    assert two.returncode == 0 and "MASTER_ADDR and MASTER_PORT not" in two.stdout, two.stderr
+
+
 def test_checkpoint_dir_must_be_shared_by_every_rank(tmp_path) -> None:
     """One directory passes; a directory per rank is refused on both ranks (neither hangs), and
     so is one rank 0 cannot write; a checkpoint that rank 0 sees and the other rank cannot read
