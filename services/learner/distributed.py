@@ -38,17 +38,16 @@ def ensure_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         return
     if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ["RANK"] = "0"
         os.environ["WORLD_SIZE"] = "1"
         os.environ["LOCAL_RANK"] = "0"
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
     if missing and os.environ["WORLD_SIZE"].strip() == "1":
-        # RANK / WORLD_SIZE left by another tool, no launcher: one rank has no peer to meet,
-        # so its own loopback rendezvous is the right one
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        # no launcher (or RANK / WORLD_SIZE left by another tool): one rank has no peer to
+        # meet, so its own loopback rendezvous is the right one
         os.environ.setdefault("LOCAL_RANK", "0")
+        if not os.environ.get("MASTER_ADDR"):
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
         if not os.environ.get("MASTER_PORT"):
             os.environ["MASTER_PORT"] = str(free_port())
     elif missing:

@@ -210,9 +210,7 @@ def _write_docstore(corpus: Path, stage: Path, count: int, faiss_path: Path,
         for doc in iter_corpus(corpus):
             if writer.rows == count:
                 rows = count + sum(1 for _ in iter_corpus(corpus, skip=count))
-                raise IndexImportError(
-                    f"corpus {corpus} has {rows} passages but {faiss_path} holds {count} "
-                    "vectors: they must be the same rows, in the same order")
+                raise _rows_differ(corpus, rows, faiss_path, count)
             writer.add(doc)
             if bar:
                 bar.update(1)
@@ -223,9 +221,13 @@ def _write_docstore(corpus: Path, stage: Path, count: int, faiss_path: Path,
         if bar:
             bar.close()
     if writer.rows != count:
-        raise IndexImportError(
-            f"corpus {corpus} has {writer.rows} passages but {faiss_path} holds {count} "
-            "vectors: they must be the same rows, in the same order")
+        raise _rows_differ(corpus, writer.rows, faiss_path, count)
+
+
+def _rows_differ(corpus: Path, rows: int, faiss_path: Path, count: int) -> IndexImportError:
+    return IndexImportError(
+        f"corpus {corpus} has {rows} passages but {faiss_path} holds {count} vectors: they "
+        "must be the same rows, in the same order")
 
 
 def _place_faiss(source: Path, target: Path, link: str) -> str:
