@@ -29,6 +29,7 @@ from services.common.trajectory import (
     ScoredTrajectory,
     Trajectory,
     Turn,
+    TurnRetrieval,
 )
 
 SCHEMA_PROMPT_GROUP = "forage.prompt_group/1"
@@ -141,7 +142,16 @@ def _trajectory_to_map(traj: Trajectory) -> dict[str, Any]:
         ]
     if any(t.index for t in traj.turns):  # only when set, beside `turns` as turn_docs
         body["turn_index"] = [t.index or None for t in traj.turns]
+    if any(t.retrieval is not None for t in traj.turns):  # only when set, as turn_docs
+        body["turn_retrieval"] = [None if t.retrieval is None else _retrieval_row(t.retrieval)
+                                  for t in traj.turns]
     return body
+
+
+def _retrieval_row(r: TurnRetrieval) -> list[Any]:
+    """A search turn's retrieval health as [ms, cached, passages, empty, gold]."""
+    return [float(r.ms), bool(r.cached), int(r.passages), int(r.empty),
+            None if r.gold is None else bool(r.gold)]
 
 
 # ---------------------------------------------------------------- decode
@@ -450,7 +460,34 @@ def _read_turns(f: _Fields, length: int) -> list[Turn]:
         turns.append(Turn(start, end, action, query, version))
     _read_turn_docs(f, turns)
     _read_turn_index(f, turns)
+    _read_turn_retrieval(f, turns)
     return turns
+
+
+def _read_turn_retrieval(f: _Fields, turns: list[Turn]) -> None:
+    """The optional `turn_retrieval`: per turn, null or [ms, cached, passages, empty, gold]
+    (services/common/trajectory.TurnRetrieval); absent in records that predate it."""
+    raw = f.raw("turn_retrieval")
+    if raw is None:
+        return
+    if not isinstance(raw, list) or len(raw) != len(turns):
+        raise CodecError(f"{f.schema}: turn_retrieval must be a list with one entry per turn "
+                         f"({len(turns)})")
+    for index, (turn, row) in enumerate(zip(turns, raw, strict=True)):
+        if row is None:
+            continue
+        ok = isinstance(row, list) and len(row) == 5
+        if ok:
+            ms, cached, passages, empty, gold = row
+            ok = (isinstance(ms, int | float) and not isinstance(ms, bool) and ms >= 0
+                  and isinstance(cached, bool) and isinstance(gold, bool | None)
+                  and all(isinstance(n, int) and not isinstance(n, bool) for n in (passages, empty))
+                  and 0 <= empty <= passages)
+        if not ok:
+            raise CodecError(f"{f.schema}: turn_retrieval[{index}] must be null or "
+                             "[ms >= 0, cached bool, passages int, empty int <= passages, "
+                             f"gold bool or null], got {_short(row)}")
+        turn.retrieval = TurnRetrieval(float(ms), cached, passages, empty, gold)
 
 
 def _read_turn_index(f: _Fields, turns: list[Turn]) -> None:

@@ -42,6 +42,29 @@ def normalize_answer(text: str) -> str:
     text = _ARTICLES.sub(" ", text)
     return " ".join(text.split())
 
+
+def gold_answers(ground_truth: object) -> list[str]:
+    """Gold strings from `{"target": [...]}` (Search-R1 parquet), a list, or a single value.
+    Shared by the scorer's QA rewards and the rollout's retrieval-health check."""
+    if isinstance(ground_truth, dict):
+        if "target" not in ground_truth:
+            raise ValueError(f"QA ground truth needs a 'target' key, got keys {sorted(ground_truth)}")
+        ground_truth = ground_truth["target"]
+    if isinstance(ground_truth, str | int | float) and not isinstance(ground_truth, bool):
+        return [str(ground_truth)]
+    if isinstance(ground_truth, list | tuple) or hasattr(ground_truth, "tolist"):
+        values = ground_truth.tolist() if hasattr(ground_truth, "tolist") else ground_truth
+        return [str(value) for value in values]
+    raise ValueError(f"QA ground truth must be a string, a list or {{'target': ...}}, "
+                     f"got {type(ground_truth).__name__}")
+
+
+def contains_answer(passage: str, answer: str) -> bool:
+    """Whole-word containment of `answer` in `passage`, both normalised as answers are
+    (normalize_answer): "1" is not found in "1990", "Paris" is in "the city of paris."."""
+    needle = normalize_answer(answer)
+    return bool(needle) and f" {needle} " in f" {normalize_answer(passage)} "
+
 ACTION_PATTERN = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 
 # Suffixes that force an answer after a truncated reasoning prefix (docs/architecture.md; docs/probe.md).

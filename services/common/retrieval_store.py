@@ -462,6 +462,9 @@ class Replay:
     """Answers from the store only. A query it lacks raises StoreError naming it, or, with
     `fail_missing`, gets a QueryFailed (its trajectory alone fails)."""
 
+    # Every answer is read from the store: a cache hit in the search turns' retrieval health.
+    answers_from_cache = True
+
     def __init__(self, store: Store, index_id: str, settings: dict[str, Any], topk: int,
                  hint: str = "record it first", fail_missing: bool = False) -> None:
         self.store, self.index_id = store, index_id

@@ -61,6 +61,24 @@ class PromptGroup:
 
 
 @dataclass
+class TurnRetrieval:
+    """What the retrieval behind one search turn returned, measured where the passages are at
+    hand (the rollout's agent loop), so the learner and `forage eval` can report retrieval
+    health without the passages' text travelling (services/common/retrieval_health.py).
+
+    A tool_calls turn with several search calls sums their passages and takes the slowest
+    call; it is cached only when every call was."""
+
+    ms: float  # wall time of the retrieval call that answered the turn (the call is batched)
+    cached: bool  # answered by the retrieval cache (rollout.retrieval_cache replay), no retriever
+    passages: int  # passages returned
+    empty: int  # of them, how many have no contents (whitespace and quotes only)
+    # Whether some passage contains a gold answer (whole words, normalised as EM normalises);
+    # None when the ground truth has no gold answers to look for.
+    gold: bool | None = None
+
+
+@dataclass
 class Turn:
     """One generation step of a trajectory: response tokens [start, end) and what it did."""
 
@@ -76,6 +94,9 @@ class Turn:
     # (services/common/retrieval_store.retrieval_tag; None for other turns, or a retriever
     # that does not report its index). Results are reproducible only under the same tag.
     index: str | None = None
+    # A search turn that got passages: what its retrieval returned (None for other turns, a
+    # refused query, and records written before the field).
+    retrieval: TurnRetrieval | None = None
 
 
 @dataclass

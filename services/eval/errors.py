@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.formats import normalize_answer
+from services.common.formats import contains_answer
 
 ERROR_CLASSES: tuple[str, ...] = ("never_searched", "first_hop_missed", "bridge_missed",
                                   "evidence_misread", "other")
@@ -45,10 +45,9 @@ class Support:
     bridges: tuple[str, ...] = ()
 
 
-def contains(passage: str, text: str) -> bool:
-    """Whole-word containment of `text` in `passage`, both normalised as answers are."""
-    needle = normalize_answer(text)
-    return bool(needle) and f" {needle} " in f" {normalize_answer(passage)} "
+# Whole-word containment after answer normalisation: the rule the rollout's retrieval-health
+# "gold hit" uses too (services/common/formats.py), so the two agree on what a passage holds.
+contains = contains_answer
 
 
 def split_passages(observation: str) -> list[str]:

@@ -58,6 +58,7 @@ from services.common.paths import (
     require_tokenizer_dir,
     tokenizer_source,
 )
+from services.common.retrieval_health import health_metrics
 from services.common.trajectory import ScoredTrajectory
 from services.learner import distributed as D
 from services.learner import loop_metrics as M
@@ -643,6 +644,9 @@ class LearnerLoop:
                                   "policy_version": self.version, "time": time.time(),
                                   "elapsed_s": time.monotonic() - self.started}
         record.update(trajectory_metrics(items, current_version=current))
+        # Retrieval health over everything played since the last step (the groups the filter
+        # dropped searched too): retrieval/* (services/common/retrieval_health.py).
+        record.update(health_metrics(i.trajectory for i in [*items, *self.filtered_items]))
         if self.options.filter_groups:
             record.update(generated_metrics(items, self.filtered_items))
             self.filtered_items = []
@@ -843,6 +847,7 @@ class LearnerLoop:
             if key.startswith("reward/") and key.endswith("/mean") and key.count("/") == 2:
                 M.REWARD_MEAN.labels(key.split("/")[1]).set(value)
         M.REWARD_MEAN.labels("all").set(record.get("reward/mean", 0.0))
+        M.export_retrieval(record)
 
     # ================================================================== evaluation
 
@@ -992,6 +997,7 @@ class LearnerLoop:
             log.warning("evaluation: %d of %d results missing after %.0fs", len(self.eval_pending),
                         len(uids), time.monotonic() - started)
         metrics = trajectory_metrics(items, prefix="eval/")
+        metrics.update(health_metrics((i.trajectory for i in items), prefix="eval/retrieval/"))
         record: dict[str, Any] = {"kind": "eval", "step": step, "policy_version": version,
                                   "time": time.time(),
                                   "elapsed_s": time.monotonic() - self.started,

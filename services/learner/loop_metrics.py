@@ -7,7 +7,12 @@ runs: the rollout HPA on Kubernetes scales on `forage_stream_lag{stream="prompts
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from prometheus_client import Counter, Gauge, Histogram
+
+from services.common.retrieval_health import LATENCIES, PREFIX, RATES
 
 STEP = Gauge("forage_learner_step", "RL steps completed")
 POLICY_VERSION = Gauge("forage_learner_policy_version", "Newest published policy version")
@@ -29,3 +34,32 @@ IN_FLIGHT = Gauge("forage_learner_groups_in_flight", "Groups issued and not yet 
 STREAM_LAG = Gauge("forage_stream_lag", "Entries not yet acked by the stream's consumer group",
                    ["stream"])
 TOKENS_PER_SECOND = Gauge("forage_learner_tokens_per_second", "Trained tokens/s of the last step")
+
+# Retrieval health of the last step (services/common/retrieval_health.py; docs/learner.md):
+# one gauge per rate and one for the latency percentiles, by data source ("all": every source).
+RETRIEVAL_RATES = {
+    name: Gauge(f"forage_learner_retrieval_{name}",
+                f"Retrieval health of the last step: {name.replace('_', ' ')}", ["data_source"])
+    for name in RATES
+}
+RETRIEVAL_LATENCY_MS = Gauge(
+    "forage_learner_retrieval_latency_ms",
+    "Retrieval latency per search turn of the last step, in ms, by percentile",
+    ["data_source", "quantile"],
+)
+_QUANTILES = {"latency_p50_ms": "0.5", "latency_p99_ms": "0.99"}
+assert set(_QUANTILES) == set(LATENCIES)
+
+
+def export_retrieval(record: Mapping[str, Any]) -> None:
+    """Set the retrieval gauges from a metrics line's `retrieval/...` keys. A source (or the
+    whole step) without search results this step keeps its last values, as other gauges do."""
+    for key, value in record.items():
+        if not key.startswith(PREFIX):
+            continue
+        name, _, source = key[len(PREFIX):].partition("/")
+        source = source or "all"
+        if name in RETRIEVAL_RATES:
+            RETRIEVAL_RATES[name].labels(source).set(float(value))
+        elif name in _QUANTILES:
+            RETRIEVAL_LATENCY_MS.labels(source, _QUANTILES[name]).set(float(value))

@@ -37,6 +37,7 @@ from services.common.formats import (
     parse_action,
     passages_to_string,
 )
+from services.common.retrieval_health import golds_of, merge, turn_retrieval
 from services.common.tool_calls import (
     HERMES,
     ToolCall,
@@ -142,6 +143,10 @@ class _State:
     turn_end: str = ""
     search_started: dict[int, float] = field(default_factory=dict)
     tool_stats: ToolStats = field(default_factory=ToolStats)
+    # The group's gold answers, normalised, for retrieval health (None: none to look for);
+    # read once per trajectory, on its first search result.
+    golds: list[str] | None = None
+    golds_read: bool = False
 
     @property
     def generating_done(self) -> bool:
@@ -634,7 +639,8 @@ class AgentLoop:
             self._finish_tool_turn(state, deferred, lockstep)
         return state
 
-    def _search_result(self, state: _State, slot: int, docs: Any, tag: str | None) -> bool:
+    def _search_result(self, state: _State, slot: int, docs: Any, tag: str | None,
+                       call_ms: float = 0.0) -> bool:
         """Fill a search call's slot; True once every call of the turn has its result."""
         seconds = time.perf_counter() - state.search_started.pop(slot, time.perf_counter())
         metrics.TOOL_LATENCY.labels("search").observe(seconds)
@@ -649,8 +655,11 @@ class AgentLoop:
             state.tool_stats.record("search", True, seconds)
             content = passages_to_string(docs).strip()
             turn = state.turns[-1] if state.turns else None
-            if turn is not None and turn.action == "search" and turn.docs is None:
-                turn.docs, turn.index = doc_refs(docs), tag
+            if turn is not None and turn.action == "search":
+                # every search call of the turn: its documents and its retrieval health
+                turn.docs = (turn.docs or []) + doc_refs(docs)
+                turn.index = turn.index or tag
+                turn.retrieval = merge(turn.retrieval, self._health(state, docs, call_ms))
             if self.evidence.enable and state.group.kind == "train":
                 # a donor for other questions' `swapped` variant: the search tool's result
                 self._donors.add(state.group.uid, state.group.ground_truth, content)
@@ -712,14 +721,25 @@ class AgentLoop:
         return True
 
     def _retrieve(self, queries: list[str]
-                  ) -> tuple[list[list[dict[str, Any]] | QueryRejected], str | None]:
-        """The answers, and the retrieval tag of who answered them (index identity, settings
-        and top-k; services/common/retrieval_store.py), which each search turn records; None
-        from a backend that cannot tell. Asked after the answers, on this worker thread."""
+                  ) -> tuple[list[list[dict[str, Any]] | QueryRejected], str | None, float]:
+        """The answers, the retrieval tag of who answered them (index identity, settings
+        and top-k; services/common/retrieval_store.py), which each search turn records (None
+        from a backend that cannot tell; asked after the answers, on this worker thread), and
+        the call's wall time in ms (each of its search turns' retrieval latency)."""
         if self.retriever is None:
             raise RetrieverError("no retriever configured (rollout.use_search is on)")
+        started = time.perf_counter()
         results = self.retriever.retrieve(queries)
-        return results, getattr(self.retriever, "retrieval_tag", None)
+        ms = (time.perf_counter() - started) * 1000.0
+        return results, getattr(self.retriever, "retrieval_tag", None), ms
+
+    def _health(self, state: _State, docs: Any, ms: float) -> Any:
+        """A search result's retrieval health (services/common/retrieval_health.py): cheap
+        (one normalisation per passage), so always on."""
+        if not state.golds_read:
+            state.golds, state.golds_read = golds_of(state.group.ground_truth), True
+        cached = bool(getattr(self.retriever, "answers_from_cache", False))
+        return turn_retrieval(docs, state.golds, ms, cached)
 
     def _apply_results(
         self,
@@ -729,7 +749,7 @@ class AgentLoop:
         lockstep: bool,
     ) -> list[_State]:
         try:
-            results, tag = future.result()
+            results, tag, call_ms = future.result()
         except RetrieverError as exc:
             log.error("retrieval failed for %d trajectories: %s", len(batch), exc)
             for state, _, _ in batch:
@@ -751,7 +771,8 @@ class AgentLoop:
                 touched.append(state)
                 continue
             if slot is not None:  # a search tool call: fill its slot, go on once all are in
-                if state.finish_reason is None and self._search_result(state, slot, docs, tag):
+                if state.finish_reason is None and self._search_result(state, slot, docs, tag,
+                                                                       call_ms):
                     self._finish_tool_turn(state, deferred, lockstep)
                 touched.append(state)
                 continue
@@ -764,6 +785,7 @@ class AgentLoop:
                 if state.turns:  # the search turn that asked: keep what it got (samples)
                     state.turns[-1].docs = doc_refs(docs)
                     state.turns[-1].index = tag
+                    state.turns[-1].retrieval = self._health(state, docs, call_ms)
                 if self.evidence.enable and state.group.kind == "train":
                     # a donor for other questions' `swapped` variant (rollout/evidence.py)
                     self._donors.add(state.group.uid, state.group.ground_truth, observation)

@@ -68,6 +68,12 @@ class CachedRetriever:
         """The key the search turns record (retrieval_store.retrieval_tag)."""
         return self.backend.retrieval_tag
 
+    @property
+    def answers_from_cache(self) -> bool:
+        """Whether an answer comes from the store without asking the retriever (replay; a
+        recording asks it every time): the search turns' cache hits (retrieval health)."""
+        return self.mode == "replay"
+
     def retrieve(self, queries: Sequence[str]) -> list[Result | QueryFailed]:
         return self.backend.retrieve(list(queries))
 

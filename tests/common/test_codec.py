@@ -26,6 +26,7 @@ from services.common.trajectory import (
     ScoredTrajectory,
     Trajectory,
     Turn,
+    TurnRetrieval,
 )
 
 text = st.text(max_size=40)
@@ -53,6 +54,14 @@ sampling_values = st.fixed_dictionaries({}, optional={
 
 
 @st.composite
+def retrievals(draw) -> TurnRetrieval:
+    passages = draw(st.integers(0, 50))
+    return TurnRetrieval(ms=draw(st.floats(0, 1e6, allow_nan=False)), cached=draw(st.booleans()),
+                         passages=passages, empty=draw(st.integers(0, passages)),
+                         gold=draw(st.none() | st.booleans()))
+
+
+@st.composite
 def trajectories(draw) -> Trajectory:
     length = draw(st.integers(0, 64))
     response = draw(st.lists(st.integers(0, 2**31 - 1), min_size=length, max_size=length))
@@ -71,6 +80,7 @@ def trajectories(draw) -> Trajectory:
             query=draw(st.none() | text),
             policy_version=draw(st.integers(0, 1000)),
             index=draw(st.none() | st.just("flat-0123456789abcdef@89abcdef")),
+            retrieval=draw(st.none() | retrievals()),
         )
         for a, b in zip([0, *cuts], cuts, strict=False)
     ]
@@ -227,6 +237,15 @@ def _mutated(change) -> bytes:
         (_mutated(lambda b: b.update(turns=[[0, 1, "jump", None, 0]])), "action 'jump'"),
         (_mutated(lambda b: b.update(loss_mask=b"\x01\x02\x01")), "must be 0 or 1"),
         (_mutated(lambda b: b.update(turn_index=["flat-0@0", None])), "turn_index must be"),
+        (_mutated(lambda b: b.update(turn_retrieval=[None, None])), "turn_retrieval must be"),
+        (_mutated(lambda b: b.update(turn_retrieval=[[1.0, False, 2, 3, None]])),
+         r"turn_retrieval\[0\] must be null or \[ms >= 0.*got \[1.0, False, 2, 3, None\]"),
+        (_mutated(lambda b: b.update(turn_retrieval=[[-1.0, False, 2, 0, True]])),
+         r"turn_retrieval\[0\] must be"),
+        (_mutated(lambda b: b.update(turn_retrieval=[[1.0, 1, 2, 0, True]])),
+         r"turn_retrieval\[0\] must be"),
+        (_mutated(lambda b: b.update(turn_retrieval=[[1.0, False, 2, 0, "yes"]])),
+         r"turn_retrieval\[0\] must be"),
         (_mutated(lambda b: b.update(probe={"fractions": [0.0], "samples": []})), "one list per"),
         (
             _mutated(lambda b: b.update(schema=SCHEMA_SCORED, reward="high")),
@@ -313,3 +332,18 @@ def test_check_token_ids_bounds_ids_by_the_consumers_vocabulary() -> None:
         check_token_ids(traj, 700)
     with pytest.raises(CodecError, match="prompt_ids holds token id 2"):
         check_token_ids(ScoredTrajectory(traj, 1.0), 2)
+
+
+def test_turn_retrieval_is_written_only_when_set_and_old_records_decode() -> None:
+    """Retrieval health travels beside `turns` (optional): a record without it keeps its
+    bytes, so older consumers read new records and new consumers read old ones."""
+    plain = _trajectory()
+    body = msgpack.unpackb(encode(plain), raw=False)
+    assert "turn_retrieval" not in body
+    assert decode_as(encode(plain), Trajectory).turns[0].retrieval is None
+    searched = _trajectory()
+    searched.turns = [Turn(0, 1, "search", "q", retrieval=TurnRetrieval(12.5, True, 3, 1, None)),
+                      Turn(1, 3, "answer")]
+    body = msgpack.unpackb(encode(searched), raw=False)
+    assert body["turn_retrieval"] == [[12.5, True, 3, 1, None], None]
+    assert decode_as(encode(searched), Trajectory).turns == searched.turns

@@ -86,6 +86,11 @@ def test_scripted_trajectory_exact_observation_bytes_and_mask(engine, retriever_
     health = httpx.get(retriever_url.replace("/retrieve", "/healthz")).json()
     assert traj.turns[0].index == retrieval_tag(health["index_id"], health["search_settings"], 2)
     assert traj.turns[1].index is None
+    # ...and its retrieval health: two passages, none empty, the gold "Corvale" in Brixol's,
+    # the /retrieve call's latency, no cache (services/common/retrieval_health.py)
+    found = traj.turns[0].retrieval
+    assert (found.passages, found.empty, found.gold, found.cached) == (2, 0, True, False)
+    assert 0 < found.ms < 20_000 and traj.turns[1].retrieval is None
     assert decode_as(encode(traj), Trajectory).turns == traj.turns  # it travels to the learner
     # behaviour log-probs: real on policy tokens, 0 on observation tokens
     lp = traj.rollout_logprobs

@@ -113,6 +113,14 @@ def test_record_then_replay_on_a_real_retriever(engine, retriever_url, dead_retr
     replayed = play(engine, replaying, scripts)
     assert [t.response_ids.tolist() for t in replayed] == \
         [t.response_ids.tolist() for t in recorded]
+    # Retrieval health: a recording asks the retriever (no cache hit), a replay is all hits,
+    # and both see the same passages (Tamra's does not name the gold Corvale).
+    searched = [(t.turns[0].retrieval, u.turns[0].retrieval)
+                for t, u in zip(recorded[:2], replayed[:2], strict=True)]
+    assert [(r.cached, p.cached) for r, p in searched] == [(False, True)] * 2
+    assert [(r.gold, r.passages) for r, _ in searched] == [(True, 2), (False, 2)]
+    assert all((r.gold, r.passages, r.empty) == (p.gold, p.passages, p.empty)
+               for r, p in searched)
     # A query the store lacks fails its own trajectory (finish_reason error), not the batch.
     missing = play(engine, replaying, [[SEARCH.format("Osric"), ANSWER], *scripts[:2]])
     replaying.close()

@@ -10,6 +10,7 @@ for the prompt's tags (`<answer> and </answer>`, the example `<answer> Beijing <
 from __future__ import annotations
 
 from services.common.formats import SEARCH_R1_TEMPLATE
+from services.common.formats import gold_answers as gold_answers  # shared with the rollout
 from services.common.formats import normalize_answer as normalize_answer  # the rewards' EM rule
 
 ASSISTANT_MARKERS: tuple[str, ...] = ("<|im_start|>assistant", "Assistant:")
@@ -60,18 +61,3 @@ def last_answer(text: str) -> str | None:
     if not matches:
         return None
     return matches[-1].strip()
-
-
-def gold_answers(ground_truth: object) -> list[str]:
-    """Gold strings from `{"target": [...]}` (Search-R1 parquet), a list, or a single value."""
-    if isinstance(ground_truth, dict):
-        if "target" not in ground_truth:
-            raise ValueError(f"QA ground truth needs a 'target' key, got keys {sorted(ground_truth)}")
-        ground_truth = ground_truth["target"]
-    if isinstance(ground_truth, str | int | float) and not isinstance(ground_truth, bool):
-        return [str(ground_truth)]
-    if isinstance(ground_truth, list | tuple) or hasattr(ground_truth, "tolist"):
-        values = ground_truth.tolist() if hasattr(ground_truth, "tolist") else ground_truth
-        return [str(value) for value in values]
-    raise ValueError(f"QA ground truth must be a string, a list or {{'target': ...}}, "
-                     f"got {type(ground_truth).__name__}")
