@@ -26,6 +26,7 @@ from services.common.trajectory import (
     ScoredTrajectory,
     Trajectory,
     Turn,
+    TurnRetrieval,
 )
 from services.learner.samples import SampleLog, pick, sample_row, trim_samples
 from tests.suite_rules import import_or_skip
@@ -54,8 +55,10 @@ def build(tokenizer, uid: str, index: int, version: int, *, question: str, truth
         spans.append((len(response), len(response) + len(ids)))
         response += ids
         mask += [masked] * len(ids)
+    # the passage names the truth (a gold hit); the call took 2 + index ms
     turns = [Turn(*spans[0], "search", f"who is {truth}", version,
-                  docs=[{"id": f"d{index}", "title": f"{truth} Vel"}]),
+                  docs=[{"id": f"d{index}", "title": f"{truth} Vel"}],
+                  retrieval=TurnRetrieval(2.0 + index, False, 1, 0, True)),
              Turn(*spans[2], "answer", answer, version)]
     traj = Trajectory(
         uid=uid, sample_id=f"{uid}:0:{index}", data_source=data_source, policy_version=version,
@@ -192,8 +195,21 @@ class ScriptedServices:
         self.namespace = namespace
         self.tokenizer = tokenizer
 
-    def serve(self, proc: subprocess.Popen, until: float) -> None:
+    def serve(self, proc: subprocess.Popen, until: float, metrics_url: str | None = None
+              ) -> None:
+        """Answer groups until the learner exits; with `metrics_url`, keep the last /metrics
+        exposition that shows a step's retrieval health (`self.exposition`)."""
+        import httpx
+
+        self.exposition = ""
         while time.time() < until and proc.poll() is None:
+            if metrics_url and "forage_learner_retrieval_" not in self.exposition:
+                try:
+                    text = httpx.get(metrics_url, timeout=2).text
+                except httpx.HTTPError:
+                    text = ""
+                if 'forage_learner_retrieval_gold_hit_rate{data_source="all"}' in text:
+                    self.exposition = text
             for message in self.streams.consume("prompts", "script", count=16, block_ms=100):
                 group = decode_as(message.payload, PromptGroup)
                 raw = self.client.get(f"{self.namespace}:weights:version")
@@ -224,6 +240,7 @@ def test_learner_writes_samples_and_tracks_them(tmp_path, redis_url, namespace, 
     pq.write_table(pa.Table.from_pylist(_rows(3, "synth_single") + _rows(2, "synth_multihop")),
                    test)
     run_dir = tmp_path / "run"
+    metrics_port = _free_port()
     config = {"run_id": "samples-test", "run_dir": str(run_dir),
               "redis": {"url": redis_url, "namespace": namespace},
               "model": {"path": str(tiny_policy)},
@@ -232,7 +249,7 @@ def test_learner_writes_samples_and_tracks_them(tmp_path, redis_url, namespace, 
               "learner": {"train_batch_size": 2, "total_steps": 4, "max_staleness": 0,
                           "lr": 1e-4, "save_every": 2, "group_timeout_s": 30.0, "poll_ms": 50,
                           "weight_sync_port": _free_port(), "micro_batch_tokens": 512,
-                          "eval_before": True, "eval_at_end": True,
+                          "eval_before": True, "eval_at_end": True, "metrics_port": metrics_port,
                           "logger": ["console", "jsonl", "tensorboard"],
                           "log_samples_every": 2, "log_samples_n": 3}}
     path = tmp_path / "run.yaml"
@@ -245,7 +262,8 @@ def test_learner_writes_samples_and_tracks_them(tmp_path, redis_url, namespace, 
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     services = ScriptedServices(redis_url, namespace, _tokenizer(tiny_policy))
     try:
-        services.serve(proc, until=time.time() + 300)
+        services.serve(proc, until=time.time() + 300,
+                       metrics_url=f"http://127.0.0.1:{metrics_port}/metrics")
         assert proc.wait(timeout=60) == 0, log.read_text()[-4000:]
     finally:
         if proc.poll() is None:
@@ -265,6 +283,19 @@ def test_learner_writes_samples_and_tracks_them(tmp_path, redis_url, namespace, 
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     first_eval = metrics[0]
     assert first_eval["kind"] == "eval" and first_eval["eval/n"] == 5
+    # retrieval health per step and source (every scripted search found its gold), in the
+    # metrics line and in the learner's Prometheus exposition
+    train_lines = [m for m in metrics if m["kind"] == "train"]
+    assert all(m["retrieval/gold_hit_rate"] == 1.0 and m["retrieval/empty_rate"] == 0.0
+               and m["retrieval/gold_hit_rate/synth_single"] == 1.0
+               and m["retrieval/cache_hit_rate"] == 0.0 and m["retrieval/search_turns"] == 4
+               and 2.0 <= m["retrieval/latency_p50_ms"] <= m["retrieval/latency_p99_ms"] <= 3.0
+               for m in train_lines), train_lines[0]
+    assert first_eval["eval/retrieval/gold_hit_rate/synth_multihop"] == 1.0
+    exposed = services.exposition
+    assert 'forage_learner_retrieval_gold_hit_rate{data_source="synth_single"} 1.0' in exposed
+    assert 'forage_learner_retrieval_empty_rate{data_source="all"} 0.0' in exposed
+    assert 'forage_learner_retrieval_latency_ms{data_source="all",quantile="0.99"}' in exposed
     assert first_eval["eval/n/synth_single"] == 3 and first_eval["eval/n/synth_multihop"] == 2
     events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
