@@ -44,6 +44,7 @@ COMMAND_GROUPS: dict[str, tuple[str, str]] = {
     "streams": ("services.launch.cli_streams", "dead-lettered messages, decoded, with reasons"),
     "config": ("services.common.cli_config", "the merged config of --config files + overrides"),
     "redis": ("services.common.cli_redis", "Redis ACL users per role and their passwords"),
+    "tls": ("services.common.cli_tls", "the certificates of the deploy files' TLS"),
     "doctor": ("services.common.cli_doctor", "check this node's driver, CUDA, torch, vLLM, faiss"),
     "plan": ("services.common.cli_plan", "GPU and host memory per service: will it fit"),
 }

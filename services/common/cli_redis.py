@@ -29,8 +29,10 @@ from pathlib import Path
 
 from services.common.cli_args import add_config_args, config_from_args
 
-# The addresses the shipped exporters scrape: the compose service and the Kubernetes sidecar.
-EXPORTER_ADDRESSES = ("redis://redis:6379", "redis://127.0.0.1:6379")
+# The addresses the shipped exporters scrape: the compose service and the Kubernetes sidecar,
+# over TLS (the deploy files' default) and without (TLS turned off: docs/deploy.md).
+EXPORTER_ADDRESSES = ("rediss://redis:6379", "rediss://127.0.0.1:6379",
+                      "redis://redis:6379", "redis://127.0.0.1:6379")
 ACL_FILE = "users.acl"
 EXPORTER_FILE = "exporter.json"
 
@@ -47,7 +49,7 @@ def register(parser: argparse.ArgumentParser) -> None:
                      help="replace the files of an existing --out with new passwords")
     acl.add_argument("--exporter-address", action="append", metavar="URL", default=None,
                      help="a Redis address the exporter scrapes (repeatable; default: "
-                          f"{' and '.join(EXPORTER_ADDRESSES)})")
+                          f"{', '.join(EXPORTER_ADDRESSES)})")
     acl.set_defaults(handler=_acl)
 
 
@@ -66,12 +68,14 @@ def secret_files(namespace: str, passwords: dict[str, str],
     return files
 
 
-def write_secret_files(out: Path, files: dict[str, str], rotate: bool = False) -> None:
-    """Write `files` into `out` (made 0700): all or nothing, each replaced atomically."""
+def write_secret_files(out: Path, files: dict[str, str], rotate: bool = False,
+                       replacement: str = "new passwords") -> None:
+    """Write `files` into `out` (made 0700): all or nothing, each replaced atomically.
+    `replacement` says what --rotate would write instead, for the refusal's message."""
     existing = sorted(name for name in files if (out / name).exists())
     if existing and not rotate:
         raise FileExistsError(f"{out} already holds {', '.join(existing)}: pass --rotate to "
-                              "replace them with new passwords (then restart Redis and the "
+                              f"replace them with {replacement} (then restart Redis and the "
                               "services), or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     out.chmod(0o700)

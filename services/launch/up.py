@@ -36,7 +36,7 @@ log = logging.getLogger("forage.launch")
 
 # Credentials and TLS of a Redis the user runs; an embedded one needs none of them.
 REDIS_AUTH_KEYS = ("username", "passfile", "tls_ca_file", "tls_cert_file", "tls_key_file")
-REDIS_AUTH_VARIABLES = ("REDIS_USERNAME", "REDIS_PASSWORD_FILE")
+REDIS_AUTH_VARIABLES = ("REDIS_USERNAME", "REDIS_PASSWORD_FILE", "REDIS_TLS_CA_FILE")
 
 
 def resolve_config(cfg: RunConfig, redis_url: str, rollouts: int,

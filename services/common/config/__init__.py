@@ -106,8 +106,9 @@ def load_config(
     """Load a run config: YAML file(s) merged in order (or defaults when `path` is None or
     empty), then the overrides, then validation.
 
-    `REDIS_URL` in the environment replaces `redis.url`, and `FORAGE_WEIGHT_SYNC_TOKEN`
-    `learner.weight_sync_token`, unless an override sets that key explicitly.
+    `REDIS_URL` in the environment replaces `redis.url`, `FORAGE_WEIGHT_SYNC_TOKEN`
+    `learner.weight_sync_token`, and so on for each of ENVIRONMENT_KEYS, unless an override
+    sets that key explicitly.
 
     A secret that was redacted when the config was saved (`***`, services/common/redact.py:
     a run's config.yaml) is an error naming the key and where to pass it again, unless
@@ -144,12 +145,22 @@ def load_config_layers(
 # Environment variables that set a key unless the command line sets it: the Redis address
 # (every tool's convention), and the weight-sync token, a secret that belongs in the
 # environment (a compose .env file, a Kubernetes Secret) rather than in a config file or a
-# process's command line (visible in `ps`).
+# process's command line (visible in `ps`). The files a deployment mounts (Redis's password,
+# the TLS certificates) are named here too, by the deploy file that mounts them, so the run
+# config stays the same with TLS on or off (docs/deploy.md, "Security"). An empty variable
+# counts as unset.
 ENVIRONMENT_KEYS: dict[str, list[str]] = {
     "REDIS_URL": ["redis", "url"],
     "REDIS_USERNAME": ["redis", "username"],
     "REDIS_PASSWORD_FILE": ["redis", "passfile"],
+    "REDIS_TLS_CA_FILE": ["redis", "tls_ca_file"],
     "FORAGE_WEIGHT_SYNC_TOKEN": ["learner", "weight_sync_token"],
+    "FORAGE_WEIGHT_SYNC_TLS_CERT_FILE": ["learner", "weight_sync_tls_cert_file"],
+    "FORAGE_WEIGHT_SYNC_TLS_KEY_FILE": ["learner", "weight_sync_tls_key_file"],
+    "FORAGE_WEIGHT_SYNC_TLS_CA_FILE": ["learner", "weight_sync_tls_ca_file"],
+    "FORAGE_WEIGHT_RELAY_TLS_CERT_FILE": ["rollout", "weight_relay_tls_cert_file"],
+    "FORAGE_WEIGHT_RELAY_TLS_KEY_FILE": ["rollout", "weight_relay_tls_key_file"],
+    "FORAGE_WEIGHT_RELAY_TLS_NAME": ["rollout", "weight_relay_tls_name"],
 }
 
 # The secrets `forage up` redacted in RUN_DIR/config.yaml, handed to its children in their

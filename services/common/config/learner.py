@@ -46,8 +46,10 @@ class LearnerSection(Section):
     weight_sync_host: str = "127.0.0.1"  # where replicas reach the weight server
     weight_sync_port: int = Field(default=50051, ge=0, le=65535)  # weight-sync gRPC port
     weight_sync_token: str | None = None  # bearer token (FORAGE_WEIGHT_SYNC_TOKEN)
-    # TLS for weight sync (docs/weight_sync.md "TLS"); all three or none (null: plain gRPC).
-    weight_sync_tls_cert_file: str | None = None  # weight server's TLS certificate (null: plain)
+    # TLS for weight sync (docs/weight_sync.md "TLS"); all three or none (null: plain gRPC),
+    # also from FORAGE_WEIGHT_SYNC_TLS_CERT_FILE, _KEY_FILE and _CA_FILE: the weight server's
+    # certificate and key, and the CA replicas check it with.
+    weight_sync_tls_cert_file: str | None = None
     weight_sync_tls_key_file: str | None = None  # weight server certificate's private key
     # The CA replicas verify the weight server and each other's relays with.
     weight_sync_tls_ca_file: str | None = None

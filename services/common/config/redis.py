@@ -18,8 +18,9 @@ class RedisSection(Section):
     # Ignored for an embedded server (it has no users). `forage redis acl` makes both.
     username: str | None = None
     passfile: str | None = None  # file holding the ACL user's password
-    # TLS (a rediss:// URL): the CA that signed the server's certificate (None: the system's),
-    # and a client certificate and key when the server asks for one (tls-auth-clients).
+    # TLS (a rediss:// URL): the CA that signed the server's certificate (REDIS_TLS_CA_FILE;
+    # None: the system's), and a client certificate and key when the server asks for one
+    # (tls-auth-clients).
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None  # client certificate, when the server asks for one
     tls_key_file: str | None = None  # the client certificate's key

@@ -213,7 +213,8 @@ class RolloutSection(Section):
     weight_relay_advertise: str = ""  # host other replicas dial ("": this host's name)
     weight_relay_hold_s: float = Field(default=300.0, gt=0)  # unread version served this long
     # The relay's TLS certificate and key (PEM), needed when learner.weight_sync_tls_ca_file is
-    # set and relays are on; it must name the advertised host, or weight_relay_tls_name.
+    # set and relays are on; it must name the advertised host, or weight_relay_tls_name. Also
+    # from FORAGE_WEIGHT_RELAY_TLS_CERT_FILE, _KEY_FILE and _NAME.
     weight_relay_tls_cert_file: str | None = None  # relay's TLS certificate (PEM)
     weight_relay_tls_key_file: str | None = None  # relay certificate's private key
     weight_relay_tls_name: str = ""  # name relay certificates carry ("": the advertised host)
