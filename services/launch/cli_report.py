@@ -80,10 +80,28 @@ def format_table(summary: dict[str, Any]) -> str:
     if summary.get("evidence_gap_end") is not None:  # probe.evidence ran
         rows.append(("evidence gap", f"{_fmt(summary['evidence_gap_start'])} -> "
                                      f"{_fmt(summary['evidence_gap_end'])}  (EM real - swapped)"))
+    rows += retrieval_rows(summary.get("retrieval"))
     if summary.get("malformed_lines"):
         rows.append(("skipped lines", str(summary["malformed_lines"])))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def retrieval_rows(found: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """Retrieval health, first -> last up to 5 train steps (none when no search returned)."""
+    if not found:
+        return []
+    first, last = found["first"], found["last"]
+
+    def pair(*names: str, digits: int = 3) -> str:
+        return (" / ".join(_fmt(first[n], digits) for n in names) + " -> "
+                + " / ".join(_fmt(last[n], digits) for n in names))
+
+    return [("gold in passages", pair("gold_hit_rate") + "  (share of searching trajectories)"),
+            ("empty results", pair("empty_rate") + "  (share of search turns)"),
+            ("repeated passages/queries", pair("repeated_passage_rate", "repeated_query_rate")),
+            ("retrieval p50/p99 ms", pair("latency_p50_ms", "latency_p99_ms", digits=1)),
+            ("retrieval cache hits", pair("cache_hit_rate"))]
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.common.retrieval_health import NAMES as RETRIEVAL_NAMES
+
 log = logging.getLogger("forage.report")
 
 METRICS_FILE = "metrics.jsonl"
@@ -35,6 +37,7 @@ X_AXES = ("step", "wall")  # RL step, or wall-clock minutes since the learner st
 EDGE_ROWS = 5
 PROBE_SPLITS = ("all", "correct", "incorrect")
 _AGGREGATES = {"mean", "std", "max", "min"}
+RETRIEVAL_KEY = "retrieval/search_turns"  # in every train row whose searches returned results
 _PROBE_KEY = re.compile(r"^probe_(all|correct|incorrect)/score_at_(\d+(?:\.\d+)?)$")
 
 Row = dict[str, Any]
@@ -288,6 +291,9 @@ def summarize(train_rows: list[Row], eval_rows: list[Row],
         # all scored the same, so what the policy played is read from generated/*
         **(played_summary(first_train, last_train)
            if any("generated/reward/mean" in row for row in train_rows) else {}),
+        # only when searches returned results: single-turn runs keep their summary as it was
+        **({"retrieval": retrieval_summary(train_rows, eval_rows)}
+           if any(RETRIEVAL_KEY in row for row in train_rows) else {}),
         "train_lines": len(train_rows),
         "eval_lines": len(eval_rows),
     }
@@ -300,6 +306,28 @@ def played_summary(first: list[Row], last: list[Row]) -> dict[str, float | None]
             "played_reward_last": mean_of(last, "generated/reward/mean"),
             "played_em_first": mean_of(first, "generated/em/mean"),
             "played_em_last": mean_of(last, "generated/em/mean")}
+
+
+def retrieval_summary(train: list[Row], evals: list[Row]) -> dict[str, Any]:
+    """Retrieval health (services/common/retrieval_health.py) over the first and last
+    `EDGE_ROWS` train rows, overall and per data source, and the held-out evaluations' before
+    and after: {"first": {name: value}, "last": ..., "by_source": {source: {"first", "last"}},
+    "eval_before": ..., "eval_after": ...}; None where nothing was logged."""
+    first, last = train[:EDGE_ROWS], train[-EDGE_ROWS:]
+
+    def values(rows: list[Row], prefix: str, suffix: str = "") -> dict[str, float | None]:
+        return {name: mean_of(rows, f"{prefix}{name}{suffix}") for name in RETRIEVAL_NAMES}
+
+    sources = sorted({key.rsplit("/", 1)[1] for row in train for key in row
+                      if key.startswith(RETRIEVAL_KEY + "/")})
+    return {
+        "first": values(first, "retrieval/"), "last": values(last, "retrieval/"),
+        "by_source": {source: {"first": values(first, "retrieval/", f"/{source}"),
+                               "last": values(last, "retrieval/", f"/{source}")}
+                      for source in sources},
+        "eval_before": values(evals[:1], "eval/retrieval/"),
+        "eval_after": values(evals[-1:], "eval/retrieval/"),
+    }
 
 
 def evidence_summary(rows: list[Row]) -> dict[str, float | None]:

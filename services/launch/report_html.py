@@ -31,10 +31,26 @@ _CAPTIONS = {
                        "reasoning starts low and rises.",
     "searches.png": "Searches and turns per trajectory.",
     "response_length.png": "Response length in tokens.",
+    "retrieval.png": "Retrieval health: how often a passage held the gold answer, empty "
+                     "results, repeated passages and queries, cache hits, and the latency of "
+                     "the retrieval behind a search turn.",
 }
 _ORDER = ("reward_em.png", "probe_curve.png", "per_source.png", "rl_health.png",
-          "probe_heatmap.png", "searches.png", "response_length.png")
-_WIDE = ("per_source.png", "rl_health.png", "probe_heatmap.png")  # multi-panel: full width
+          "retrieval.png", "probe_heatmap.png", "searches.png", "response_length.png")
+# multi-panel: full width
+_WIDE = ("per_source.png", "rl_health.png", "retrieval.png", "probe_heatmap.png")
+# Retrieval health's rows: (name, label, what it counts); docs/learner.md defines each.
+_RETRIEVAL_ROWS = (
+    ("gold_hit_rate", "gold answer in a passage", "of the trajectories that searched"),
+    ("empty_rate", "empty results", "of the search turns"),
+    ("repeated_passage_rate", "repeated passages", "of the passages, seen earlier in the "
+                                                   "trajectory"),
+    ("repeated_query_rate", "repeated queries", "of the search turns"),
+    ("latency_p50_ms", "latency p50 (ms)", "per search turn"),
+    ("latency_p99_ms", "latency p99 (ms)", "per search turn"),
+    ("cache_hit_rate", "cache hits", "of the search turns"),
+    ("search_turns", "search turns per step", "with a result"),
+)
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:0;
 background:#fafafa;color:#222}
@@ -148,6 +164,36 @@ def source_table(evals: list[Row], sources: list[str]) -> str:
             f"<th>after</th></tr>{body}</table>")
 
 
+def _retrieval_cell(name: str, value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    if name.endswith("_rate"):
+        return _pct(value)
+    return f"{value:.1f}"
+
+
+def retrieval_table(found: dict[str, Any] | None) -> str:
+    """Retrieval health: first and last 5 train steps, the held-out evaluations before and
+    after RL, and the last 5 steps per data source."""
+    if not found:
+        return ("<p class=sub>No retrieval health logged: no search returned a result (a "
+                "single-turn task, or a run from before these metrics).</p>")
+    sources = sorted(found.get("by_source") or {})
+    head = ("<tr><th>metric</th><th>first 5 steps</th><th>last 5 steps</th>"
+            "<th>held-out before</th><th>held-out after</th>"
+            + "".join(f"<th>last 5 steps &middot; {_e(s)}</th>" for s in sources) + "</tr>")
+    body = []
+    for name, label, counted in _RETRIEVAL_ROWS:
+        cells = [found["first"].get(name), found["last"].get(name),
+                 (found.get("eval_before") or {}).get(name),
+                 (found.get("eval_after") or {}).get(name),
+                 *(found["by_source"][s]["last"].get(name) for s in sources)]
+        body.append(f"<tr><td>{_e(label)} <span class=sub>{_e(counted)}</span></td>"
+                    + "".join(f"<td class=num>{_retrieval_cell(name, v)}</td>" for v in cells)
+                    + "</tr>")
+    return f"<table id=retrieval>{head}{''.join(body)}</table>"
+
+
 def read_samples(run_dir: Path, limit: int = MAX_SAMPLES) -> list[dict[str, Any]]:
     """The newest evaluation's and the newest training step's samples, up to `limit`."""
     path = run_dir / SAMPLES_FILE
@@ -233,6 +279,7 @@ def render(run_dir: Path, summary: dict[str, Any], plots: list[str],
         f"{_e(generated)} by <code>forage report</code></div>{note}"
         f"<h2>Summary</h2>{summary_table(summary, evals)}"
         f"<h2>Per data source</h2>{source_table(evals, data_sources([], evals))}"
+        f"<h2>Retrieval health</h2>{retrieval_table(summary.get('retrieval'))}"
         f"<h2>Plots</h2><div class=plots>{figures}</div>"
         f"<h2>Samples</h2>{samples_html}"
         f"<h2>Config</h2><details><summary>config.yaml</summary><pre id=config>"

@@ -34,7 +34,14 @@ from services.launch.report import (
 )
 
 PLOT_FILES = ("reward_em.png", "searches.png", "response_length.png", "probe_curve.png",
-              "per_source.png", "rl_health.png", "probe_heatmap.png")
+              "per_source.png", "rl_health.png", "probe_heatmap.png", "retrieval.png")
+# Retrieval health (services/common/retrieval_health.py): the rates panel and the latency panel.
+RETRIEVAL_RATES = (("retrieval/gold_hit_rate", "gold in a passage (trajectories)"),
+                   ("retrieval/empty_rate", "empty results (search turns)"),
+                   ("retrieval/repeated_passage_rate", "repeated passages"),
+                   ("retrieval/repeated_query_rate", "repeated queries"),
+                   ("retrieval/cache_hit_rate", "cache hits"))
+RETRIEVAL_LATENCY = (("retrieval/latency_p50_ms", "p50"), ("retrieval/latency_p99_ms", "p99"))
 _SIZE = (7.0, 4.4)
 _DPI = 110
 _SPLIT_COLOURS = {"correct": "tab:green", "incorrect": "tab:red", "all": "tab:gray"}
@@ -245,6 +252,32 @@ def rl_health_plot(path: Path, train: list[Row], run_title: str, x_axis: str,
     return _save(figure, path)
 
 
+def retrieval_plot(path: Path, train: list[Row], evals: list[Row], run_title: str,
+                   x_axis: str, smoothing: float) -> Path:
+    """Retrieval health per step: how often a passage held the gold answer, empty results,
+    repeats, cache hits (left) and the latency of the retrieval behind a search turn (right),
+    so a retriever that silently returns nothing useful shows before the reward flattens."""
+    figure = _new_figure((12.0, 4.6))
+    figure.suptitle(f"Retrieval health\n{run_title}", fontsize=11)
+    rates = figure.add_subplot(1, 2, 1)
+    _titled(rates, "rates", size=10)
+    drawn = False
+    for index, (key, label) in enumerate(RETRIEVAL_RATES):
+        drawn |= _train_line(rates, train, key, label, f"C{index}", x_axis, smoothing)
+    drawn |= _eval_markers(rates, evals, "eval/retrieval/gold_hit_rate",
+                           "gold in a passage (held-out)", "C0", x_axis)
+    _finish(rates, drawn, x_axis, "fraction", "no retrieval health logged\n(no search results)")
+    if drawn:
+        rates.set_ylim(-0.03, 1.03)
+    latency = figure.add_subplot(1, 2, 2)
+    _titled(latency, "latency per search turn (ms)", size=10)
+    drawn = False
+    for index, (key, label) in enumerate(RETRIEVAL_LATENCY):
+        drawn |= _train_line(latency, train, key, label, f"C{index + 5}", x_axis, smoothing)
+    _finish(latency, drawn, x_axis, "ms", "no retrieval latency logged")
+    return _save(figure, path)
+
+
 def _plot_curve(axes: Axes, curve: dict[str, list[Any]], split: str, style: str,
                 label: str) -> bool:
     pairs = [(f, s) for f, s in zip(curve["fractions"], curve[split], strict=True)
@@ -340,4 +373,5 @@ def write_plots(out: Path, train: list[Row], evals: list[Row], summary: dict[str
         per_source_plot(paths[4], train, evals, title, x_axis, smoothing),
         rl_health_plot(paths[5], train, title, x_axis, smoothing),
         probe_heatmap(paths[6], train, title),
+        retrieval_plot(paths[7], train, evals, title, x_axis, smoothing),
     ]

@@ -144,7 +144,7 @@ def test_write_report_writes_summary_and_pngs(run_dir: Path) -> None:
     out = run_dir / "report"
     assert summary["files"][:5] == ["summary.json", *PLOTS]
     assert summary["files"][5:] == ["per_source.png", "rl_health.png", "probe_heatmap.png",
-                                    "index.html"]
+                                    "retrieval.png", "index.html"]
     on_disk = json.loads((out / "summary.json").read_text())
     assert on_disk == json.loads(json.dumps(summary))
     assert on_disk["wall_seconds"] == 300.25 and on_disk["malformed_lines"] == 3
@@ -229,6 +229,45 @@ def test_evidence_probe_in_the_summary_only_when_it_ran(tmp_path: Path) -> None:
     assert summary["evidence_gap_end"] == pytest.approx(0.1)  # steps 3..7
     assert "evidence gap (real - swapped EM)" in summary_table(summary, [])
     assert re.search(r"evidence gap\s+0\.200 -> 0\.100", format_table(summary))
+
+
+def test_retrieval_health_in_the_summary_table_and_page_only_when_logged() -> None:
+    """retrieval/* train keys (and eval/retrieval/*): first and last 5 steps, per source,
+    held-out before and after, in summary.json, the CLI table and the page's own table."""
+    from services.launch.cli_report import format_table
+    from services.launch.report_html import retrieval_table, summary_table
+
+    rows = [_train(step, 0.5, probe=False) for step in range(1, 8)]
+    plain = summarize(rows, [], None)
+    assert "retrieval" not in plain and "gold in passages" not in format_table(plain)
+    assert "No retrieval health logged" in retrieval_table(plain.get("retrieval"))
+    for step, row in enumerate(rows, start=1):
+        for source, gold in (("synth", 0.1 * step), ("hotpotqa", 0.5)):
+            row.update({f"retrieval/gold_hit_rate/{source}": gold,
+                        f"retrieval/search_turns/{source}": 4.0})
+        row.update({"retrieval/gold_hit_rate": 0.1 * step, "retrieval/empty_rate": 0.25,
+                    "retrieval/repeated_passage_rate": 0.0, "retrieval/repeated_query_rate": 0.5,
+                    "retrieval/latency_p50_ms": 10.0 * step, "retrieval/latency_p99_ms": 90.0,
+                    "retrieval/cache_hit_rate": 0.0, "retrieval/search_turns": 8.0})
+    evals = [{**_eval(0, 0.25, 1.0, 1.0), "eval/retrieval/gold_hit_rate": 0.4},
+             {**_eval(7, 0.5, 1.0, 9.0), "eval/retrieval/gold_hit_rate": 0.6}]
+    found = summarize(rows, evals, None)["retrieval"]
+    assert found["first"]["gold_hit_rate"] == pytest.approx(0.3)  # steps 1..5
+    assert found["last"]["gold_hit_rate"] == pytest.approx(0.5)  # steps 3..7
+    assert found["last"]["latency_p50_ms"] == pytest.approx(50.0)
+    assert found["by_source"]["hotpotqa"]["last"]["gold_hit_rate"] == 0.5
+    assert sorted(found["by_source"]) == ["hotpotqa", "synth"]
+    assert (found["eval_before"]["gold_hit_rate"], found["eval_after"]["gold_hit_rate"]) == (
+        0.4, 0.6)
+    assert found["eval_after"]["empty_rate"] is None  # not logged: n/a, never 0
+    table = format_table({**summarize(rows, evals, None)})
+    assert re.search(r"gold in passages\s+0\.300 -> 0\.500", table), table
+    assert re.search(r"retrieval p50/p99 ms\s+30\.0 / 90\.0 -> 50\.0 / 90\.0", table), table
+    page = retrieval_table(found)
+    assert "<th>last 5 steps &middot; hotpotqa</th>" in page
+    assert "gold answer in a passage" in page and "<td class=num>30.0%</td>" in page
+    assert "<td class=num>60.0%</td>" in page  # held-out after
+    assert "retrieval" not in summary_table(plain, [])  # its own section, not the summary
 
 
 def test_played_reward_in_the_summary_only_with_the_group_filter() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,7 +71,7 @@ def synthetic_run(run_dir: Path, steps: int = STEPS, seed: int = 0) -> None:
             counted = "/n_" in key or key.startswith(("groups/", "throughput/trajectories"))
             if isinstance(value, float) and key not in ("time", "elapsed_s") and not counted:
                 row[key] = value * (1 + 0.3 * rng.uniform(-1, 1)) + 0.01 * step
-                if "/score_at_" in key:
+                if "/score_at_" in key or "_rate" in key:
                     row[key] = min(1.0, max(0.0, row[key]))
         row["reward/mean"] = min(1.0, 0.2 + step / 80 + rng.uniform(-0.15, 0.15))
         for source in SOURCES:
@@ -169,7 +170,8 @@ def test_report_writes_every_plot_and_the_page(tmp_path, tiny_policy_dir):
     summary = write_report(run)
     out = run / "report"
     assert summary["files"][-1] == "index.html"
-    for name in ("reward_em.png", "per_source.png", "rl_health.png", "probe_heatmap.png"):
+    for name in ("reward_em.png", "per_source.png", "rl_health.png", "probe_heatmap.png",
+                 "retrieval.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
         assert (out / name).stat().st_size > 20_000, name
     assert summary["title"].startswith("html-test | grpo")
@@ -180,6 +182,9 @@ def test_report_writes_every_plot_and_the_page(tmp_path, tiny_policy_dir):
     assert "Mekar Stebrul" in page and "adv_estimator: grpo" in page
     assert "hunter2" not in page and "redis://:***@127.0.0.1" in page  # a shareable page
     assert "quick-note" not in page
+    # retrieval health from the real learner's keys: a table with the source's column
+    assert "<h2>Retrieval health</h2><table id=retrieval>" in page
+    assert "last 5 steps &middot; synth_single" in page and "gold answer in a passage" in page
     wall = write_report(run, tmp_path / "wall", x_axis="wall", smoothing=0.0)
     assert (tmp_path / "wall" / "reward_em.png").stat().st_size > 10_000
     assert wall["files"] == summary["files"]
@@ -194,6 +199,7 @@ def test_cli_options_and_quick_note(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "EM 95% CI" in result.stdout and "n = 140" in result.stdout
     assert "does not learn" in result.stdout
+    assert re.search(r"gold in passages\s+[01]\.\d{3} -> [01]\.\d{3}", result.stdout), result.stdout
     assert str(run / "report" / "index.html") in result.stdout
     assert 'id=quick-note' in (run / "report" / "index.html").read_text()
     bad = subprocess.run([str(FORAGE), "report", str(run), "--smoothing", "1.5"],
@@ -235,12 +241,14 @@ def test_index_html_renders_in_headless_chromium(tmp_path, tiny_policy_dir):
             "img", "imgs => imgs.map(i => [i.getAttribute('src'), i.complete, i.naturalWidth])")
         heading = page.inner_text("h1")
         summary_text = page.inner_text("#summary")
+        retrieval_text = page.inner_text("#retrieval")
         samples_open = page.eval_on_selector_all("details[open]", "d => d.length")
         shot = tmp_path / "page.png"
         page.screenshot(path=str(shot), full_page=True)
         browser.close()
     assert problems == []
-    assert len(images) == 7 and all(done and width > 300 for _, done, width in images), images
+    assert len(images) == 8 and all(done and width > 300 for _, done, width in images), images
+    assert "gold answer in a passage" in retrieval_text and "latency p99 (ms)" in retrieval_text
     assert heading.startswith("html-test | grpo")
     assert "n=140" in summary_text and "EM change" in summary_text
     assert samples_open == 1
