@@ -37,11 +37,25 @@ TOKENS_PER_SECOND = Gauge("forage_learner_tokens_per_second", "Trained tokens/s 
 
 # Retrieval health of the last step (services/common/retrieval_health.py; docs/learner.md):
 # one gauge per rate and one for the latency percentiles, by data source ("all": every source).
+# Names written out: the dashboard test finds exported metrics by reading these calls.
 RETRIEVAL_RATES = {
-    name: Gauge(f"forage_learner_retrieval_{name}",
-                f"Retrieval health of the last step: {name.replace('_', ' ')}", ["data_source"])
-    for name in RATES
+    "gold_hit_rate": Gauge("forage_learner_retrieval_gold_hit_rate",
+                           "Share of the last step's searching trajectories with a gold answer "
+                           "in a retrieved passage", ["data_source"]),
+    "empty_rate": Gauge("forage_learner_retrieval_empty_rate",
+                        "Share of the last step's search turns with no or only empty passages",
+                        ["data_source"]),
+    "repeated_passage_rate": Gauge("forage_learner_retrieval_repeated_passage_rate",
+                                   "Share of the last step's passages an earlier turn of the "
+                                   "same trajectory returned", ["data_source"]),
+    "repeated_query_rate": Gauge("forage_learner_retrieval_repeated_query_rate",
+                                 "Share of the last step's search turns repeating an earlier "
+                                 "query of the same trajectory", ["data_source"]),
+    "cache_hit_rate": Gauge("forage_learner_retrieval_cache_hit_rate",
+                            "Share of the last step's search turns answered by the retrieval "
+                            "cache", ["data_source"]),
 }
+assert set(RETRIEVAL_RATES) == set(RATES)
 RETRIEVAL_LATENCY_MS = Gauge(
     "forage_learner_retrieval_latency_ms",
     "Retrieval latency per search turn of the last step, in ms, by percentile",

@@ -181,6 +181,28 @@ def test_dashboard_covers_each_service() -> None:
         assert needed in used, f"no panel queries {needed}"
 
 
+def test_retrieval_health_row_shows_every_retrieval_metric() -> None:
+    """The "Retrieval health" row queries every forage_learner_retrieval_* gauge the learner
+    exports (services/learner/loop_metrics.py), by data source: a gauge without a panel, or a
+    panel removed, fails here."""
+    panels = _dashboard()["panels"]
+    start = next(i for i, p in enumerate(panels)
+                 if p["type"] == "row" and p["title"] == "Retrieval health")
+    rows_after = [i for i, p in enumerate(panels) if p["type"] == "row" and i > start]
+    inside = panels[start + 1:rows_after[0] if rows_after else len(panels)]
+    queried = {name for panel in inside for target in panel["targets"]
+               for name in _METRIC_NAME.findall(target["expr"])}
+    exported = {name for name in exported_metrics() if name.startswith("forage_learner_retrieval_")}
+    assert len(exported) == 6, sorted(exported)  # five rates and the latency percentiles
+    assert queried == exported, (sorted(exported - queried), sorted(queried - exported))
+    for panel in inside:
+        for target in panel["targets"]:
+            assert "by (data_source)" in target["expr"], (panel["title"], target["expr"])
+    latency = next(p for p in inside if "latency" in p["title"].lower())
+    assert {re.search(r'quantile="([0-9.]+)"', t["expr"]).group(1)
+            for t in latency["targets"]} == {"0.5", "0.99"}
+
+
 def _adapter_rule() -> dict:
     text = (GRAFANA / "README.md").read_text()
     blocks = re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
