@@ -254,11 +254,16 @@ def _vllm_build_rules(v: NodeVersions) -> list[Finding]:
 
 # torchvision's and torchaudio's minor version for each torch minor (their release tables).
 COMPANION_MINOR = {"torchvision": 15}  # torchvision 0.(torch minor + 15)
+# From this release torchaudio is built on torch's stable ABI (its libraries are abi3): one
+# build runs on that torch and every newer one. vLLM 0.33 pins torchaudio 2.11.0 beside torch
+# 2.14.0. Older torchaudio releases run only on the torch of the same minor.
+TORCHAUDIO_STABLE_ABI = (2, 11)
 
 
 def _companion_mismatch(name: str, version: str, torch: str) -> bool:
     """True when `name` was not built for `torch`: a CPU build beside a CUDA one (either way)
-    or, for torchvision and torchaudio, another release than torch's."""
+    or, for torchvision and torchaudio, another release than torch's (a stable-ABI torchaudio:
+    one newer than torch)."""
     torch_label = torch.partition("+")[2]
     label = version.partition("+")[2]
     if "cpu" in (torch_label, label) and torch_label != label:
@@ -268,6 +273,8 @@ def _companion_mismatch(name: str, version: str, torch: str) -> bool:
     if name == "torchvision" and torch_minor:
         return minor[:2] != (0, torch_minor[0] + COMPANION_MINOR[name])
     if name == "torchaudio" and torch_minor:
+        if minor[:2] >= TORCHAUDIO_STABLE_ABI:
+            return minor[:2] > version_tuple(torch)[:2]
         return minor[:2] != version_tuple(torch)[:2]
     return False
 

