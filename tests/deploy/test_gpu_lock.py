@@ -103,10 +103,14 @@ def test_gpu_stage_installs_the_lock_and_nothing_from_a_network_offline() -> Non
     runs = re.findall(r"^RUN (.*?)(?<!\\)\n", stage, re.S | re.M)
     pip_steps = [run for run in runs if "pip install" in run]
     assert len(pip_steps) == 1
-    installs = re.findall(r"pip install ([^&\n\\]*)", pip_steps[0])
+    installs = re.findall(r"pip install ([^&;\n\\]*)", pip_steps[0])
     assert [i.strip() for i in installs] == [
         "-r deploy/gpu-requirements.txt", "-r deploy/gpu-kernels.txt",
         "--no-deps --no-build-isolation -e ."]
+    # the kernels are left out only when a build asks (the stand-in check, FLASHINFER_KERNELS=0)
+    assert re.search(r"^ARG FLASHINFER_KERNELS=1$", stage, re.M)
+    assert 'if [ "$FLASHINFER_KERNELS" = 1 ]; then python -m pip install -r deploy/gpu-kernels' \
+        in pip_steps[0]
     assert "COPY deploy/gpu-requirements.txt deploy/gpu-kernels.txt ./deploy/" in stage
     for run in runs:
         offline = _offline(run)
@@ -137,3 +141,6 @@ def test_offline_script_reads_the_dockerfile_and_refuses_an_unfilled_wheelhouse(
                            env={"PATH": "/usr/bin:/bin", "GPU_WHEELHOUSE": str(tmp_path)})
     assert build.returncode == 1
     assert "is not filled for this lock" in build.stderr and "fetch" in build.stderr
+    odd = subprocess.run([str(SCRIPT), "plan"], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "FLASHINFER_KERNELS": "no"})
+    assert odd.returncode == 1 and "FLASHINFER_KERNELS is 0 or 1, not 'no'" in odd.stderr
