@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.data_sources import SEARCH_R1_QA
+from services.common.retrieval_health import TrajectoryHealth, pooled
 from services.eval import errors, evidence, stats
 
 INTERVALS = {
@@ -79,6 +80,23 @@ def summarise_row(label: str, model: str, mode: str, lines: list[dict[str, Any]]
     probe = evidence.summarise(lines)
     if probe is not None:
         out["evidence"] = probe
+    health = retrieval_summary(lines)
+    if health:
+        out["retrieval"] = health
+    return out
+
+
+def retrieval_summary(lines: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Retrieval health of a row's agent lines, {metric: {source or "all": value}}; {} when no
+    search returned a result. Only the reproducible rates: a replayed evaluation writes the
+    same eval.json, so latency and cache hits (which differ between recording and replay by
+    design) are left out; training's metrics carry them."""
+    found = [TrajectoryHealth.from_counts(x["data_source"], x["retrieval"])
+             for x in lines if x.get("retrieval")]
+    out: dict[str, dict[str, float]] = {}
+    for key, value in pooled(found, prefix="", timed=False).items():
+        name, _, source = key.partition("/")
+        out.setdefault(name, {})[source or "all"] = _r(value)
     return out
 
 
@@ -153,6 +171,7 @@ def markdown(doc: dict[str, Any]) -> str:
                 lines.append(f"| {pair['a']} | {pair['b']} | {every['n']} | {every['a_only']} | "
                              f"{every['b_only']} | {every['difference']:+.3f} | "
                              f"{every['p_value']:.4g} |")
+    lines += _retrieval_table(doc["rows"])
     lines += _errors_table(doc["rows"])
     lines += _evidence_table(doc["rows"], doc["config"].get("settings", {}))
     return "\n".join(lines) + "\n"
@@ -162,6 +181,30 @@ def _fmt(value: float | None, sign: bool = False) -> str:
     if value is None:
         return "–"
     return f"{value:+.3f}" if sign else f"{value:.3f}"
+
+
+def _retrieval_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Retrieval health of the agent rows (services/common/retrieval_health.py), over all
+    questions; eval.json keeps each data source's."""
+    shown = [row for row in rows if "retrieval" in row]
+    if not shown:
+        return []
+    out = ["", "Retrieval health (agent rows; per data source in eval.json): gold = a retrieved "
+           "passage holds a gold answer (share of questions that searched), empty = search "
+           "turns with no or only empty passages, repeated = passages and queries an earlier "
+           "turn of the same question already had:", "",
+           "| Method | search turns | gold in passages | empty results | repeated passages "
+           "| repeated queries |", "|---|---:|---:|---:|---:|---:|"]
+    for row in shown:
+        r = row["retrieval"]
+
+        def cell(name: str, r: dict[str, Any] = r) -> str:
+            return _fmt(r.get(name, {}).get("all"))
+
+        out.append(f"| {row['label']} | {int(r['search_turns']['all'])} | "
+                   f"{cell('gold_hit_rate')} | {cell('empty_rate')} | "
+                   f"{cell('repeated_passage_rate')} | {cell('repeated_query_rate')} |")
+    return out
 
 
 def _errors_table(rows: list[dict[str, Any]]) -> list[str]:

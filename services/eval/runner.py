@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from services.common.formats import STOP_STRINGS, doc_refs
+from services.common.retrieval_health import trajectory_health
 from services.common.tool_calls import observation_text
 from services.common.trajectory import PromptGroup, ScoredTrajectory, Trajectory
 from services.eval.data import Question
@@ -167,6 +168,9 @@ def sample_line(row: Row, question: Question, trajectory: Trajectory, tokenizer:
         line["rag_docs"] = rag_docs
         line["index"] = index_id
     if row.mode == "agent":
+        # Retrieval health's reproducible counts (no latency, no cache: a replay writes the
+        # same line); eval.md's retrieval table pools them (services/common/retrieval_health.py).
+        line["retrieval"] = trajectory_health(trajectory).counts()
         line["support"] = asdict(question.support) if question.support is not None else None
         line["error"] = None if scores["em"] >= 1 else attribute_error(
             trajectory.num_searches > 0, retrieved_passages(trajectory, tokenizer),

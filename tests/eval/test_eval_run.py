@@ -74,6 +74,19 @@ def test_every_mode_on_both_layouts_table_intervals_comparisons_and_inspect(eval
     assert "Brixol was born in Corvale" in search["observation"]
     rag = next(x for x in found if x["mode"] == "rag")
     assert rag["rag_docs"][0]["title"] == PEOPLE[0][0] and rag["index"] == doc["config"]["index"]
+    # Retrieval health: only person i's passage (id i) names their city, so a question's gold
+    # is in its passages exactly when that id was retrieved; one search each, nothing empty.
+    names = [name for name, _ in PEOPLE]
+    expected = [any(d["id"] == str(names.index(next(n for n in names if n in x["question"])))
+                    for d in x["turns"][0]["docs"]) for x in agent]
+    assert [x["retrieval"]["gold_hit"] for x in agent] == expected and any(expected)
+    health = rows["agent"]["retrieval"]
+    assert health["gold_hit_rate"]["all"] == pytest.approx(sum(expected) / 12, abs=1e-6)
+    assert health["search_turns"] == {"nq": 6, "hotpotqa": 6, "all": 12}
+    assert health["empty_rate"]["all"] == 0 and health["repeated_query_rate"]["all"] == 0
+    assert "latency_p50_ms" not in health and "retrieval" not in rows["rag"]
+    assert (f"| {rows['agent']['label']} | 12 | {health['gold_hit_rate']['all']:.3f} | 0.000 | "
+            "0.000 | 0.000 |") in table
 
     samples, skipped = load_samples(out)  # what `forage inspect OUT --step 2` shows
     chosen, step = select(samples, 2, wrong=False, kind=None)
