@@ -96,6 +96,20 @@ def test_quick_demo_runs_every_service_and_writes_a_report(quick_demo, redis_url
     # EM 0 -> 0 is expected at toy size: the output says so instead of looking broken
     assert "checks the plumbing at toy size" in proc.stdout and "does not learn" in proc.stdout
     assert (out / "report" / "index.html").is_file()
+    # retrieval health: exactly the steps whose trajectories searched report it (the quick
+    # demo's 4-step warm start seldom searches), from the real retriever (no cache, no empty
+    # passages in the world's corpus); the report shows it, or says there is none
+    for m in train:
+        assert ("retrieval/search_turns" in m) == (m["searches/mean"] > 0), m
+        if "retrieval/search_turns" in m:
+            assert m["retrieval/empty_rate"] == 0 and m["retrieval/cache_hit_rate"] == 0, m
+            assert 0 < m["retrieval/latency_p50_ms"] <= m["retrieval/latency_p99_ms"], m
+    page = (out / "report" / "index.html").read_text()
+    searched = any("retrieval/search_turns" in m for m in train)
+    assert ("retrieval" in summary) == searched
+    assert ("<table id=retrieval>" in page) == searched
+    assert ("No retrieval health logged" in page) != searched
+    assert (out / "report" / "retrieval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     print(f"quick demo wall time: {wall:.0f}s")
 
 
@@ -156,6 +170,19 @@ def test_eval_run_reproduces_the_runs_last_evaluation(quick_demo, tmp_path):
         assert ours["answer"] == sample["answer"] and ours["correct"] == sample["correct"]
     assert (f"the run's own evaluation at step 4: EM {last['eval/em']:.3f}, "
             f"{last['eval/n']} questions") in done.stdout
+    # the same searches, so the same retrieval health as the run measured (eval's table
+    # keeps the reproducible rates), or none in both
+    row = json.loads((tmp_path / "eval" / "eval.json").read_text())["rows"][0]
+    assert ("retrieval" in row) == ("eval/retrieval/search_turns" in last)
+    if "retrieval" in row:
+        table = row["retrieval"]
+        assert table["search_turns"]["all"] == last["eval/retrieval/search_turns"]
+        for name in ("gold_hit_rate", "empty_rate", "repeated_passage_rate",
+                     "repeated_query_rate"):
+            if f"eval/retrieval/{name}" in last:
+                assert table[name]["all"] == pytest.approx(last[f"eval/retrieval/{name}"],
+                                                           abs=1e-6), name
+        assert "Retrieval health (agent rows" in (tmp_path / "eval" / "eval.md").read_text()
 
 
 def _up(config: Path, log: Path) -> subprocess.Popen:
