@@ -46,7 +46,14 @@ from services.common.tool_calls import (
     parse_turn,
 )
 from services.common.tools import ToolSpec
-from services.common.trajectory import EvidenceProbe, Probe, PromptGroup, Trajectory, Turn
+from services.common.trajectory import (
+    EvidenceProbe,
+    Probe,
+    PromptGroup,
+    Trajectory,
+    Turn,
+    TurnRetrieval,
+)
 from services.rollout import metrics
 from services.rollout.engine import Engine, GenerationOutput, GenerationRequest, SamplingParams
 from services.rollout.evidence import (
@@ -733,7 +740,7 @@ class AgentLoop:
         ms = (time.perf_counter() - started) * 1000.0
         return results, getattr(self.retriever, "retrieval_tag", None), ms
 
-    def _health(self, state: _State, docs: Any, ms: float) -> Any:
+    def _health(self, state: _State, docs: Any, ms: float) -> TurnRetrieval:
         """A search result's retrieval health (services/common/retrieval_health.py): cheap
         (one normalisation per passage), so always on."""
         if not state.golds_read:
