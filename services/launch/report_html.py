@@ -49,7 +49,7 @@ _RETRIEVAL_ROWS = (
     ("latency_p50_ms", "latency p50 (ms)", "per search turn"),
     ("latency_p99_ms", "latency p99 (ms)", "per search turn"),
     ("cache_hit_rate", "cache hits", "of the search turns"),
-    ("search_turns", "search turns per step", "with a result"),
+    ("search_turns", "search turns", "with a result, per step or evaluation"),
 )
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:0;
