@@ -12,7 +12,6 @@ import pytest
 from services.cli import main
 from services.common.tls_certs import RELAY_NAME
 
-
 FILES = {"ca.crt", "redis.crt", "redis.key", "learner.crt", "learner.key", "relay.crt",
          "relay.key", "autoscaler.tls"}
 
