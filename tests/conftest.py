@@ -19,6 +19,27 @@ from tests.suite_rules import (  # noqa: F401
 )
 from tests.suite_rules import pytest_configure as _suite_rules_configure
 
+# LOCAL_RANK stays: DeepSpeed reads it in this process; without RANK / WORLD_SIZE a child
+# process makes its own group (services/learner/distributed.py).
+DIST_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_rank_env():
+    """A trainer built in this process (a learner, bench or launch test) makes a 1-rank group
+    and sets RANK, MASTER_PORT, ... in os.environ (services/learner/distributed.py). Left there,
+    every later learner or SFT subprocess of the worker inherits them and tries to join that
+    group on a port this process holds. Suite-wide, since any folder's test can build one. The
+    group itself stays initialised for later in-process trainers (DeepSpeed reuses it without
+    the variables)."""
+    before = {k: os.environ.get(k) for k in DIST_ENV}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
 
 def pytest_configure(config) -> None:
     _suite_rules_configure(config)

@@ -97,8 +97,11 @@ def _real_learn():
 def test_real_learn_sizes_follow_the_device_and_the_flags():
     """`--size auto` is the GPU profile on CUDA and the 60-minute CPU profile elsewhere; the
     CPU profile's short SFT teaches searching (good demonstrations only), its GRPO drops
-    constant-reward groups and plays on two rollout replicas, the others keep the demo's mix
-    unfiltered on one; a flag given wins over its profile."""
+    constant-reward groups and plays on one vLLM replica with configs/vllm_cpu.yaml's settings
+    (two replicas on the transformers engine), the GPU profile keeps the demo's mix unfiltered
+    on one transformers replica; a flag given wins over its profile."""
+    from services.common.config import load_config
+
     rl = _real_learn()
     cpu = rl.make_parser().parse_args([])
     rl.resolve_sizes(cpu, "cpu")
@@ -107,11 +110,20 @@ def test_real_learn_sizes_follow_the_device_and_the_flags():
     assert "data.sft_mix=good=1.0" in sets and "learner.eval_every=0" in sets
     assert "learner.micro_batch_tokens=1024" in sets
     assert "learner.algorithm.filter_groups=true" in sets   # DAPO's dynamic sampling
-    # two rollout replicas, each holding its half of the 8 groups in flight
-    assert cpu.rollouts == 2 and "rollout.groups_per_batch=4" in sets
-    from services.common.config import load_config
+    assert cpu.engine == "vllm" and cpu.rollouts == 1
+    assert not any(s.startswith("rollout.groups_per_batch") for s in sets)
+    rollout = load_config(rl.BASE_CONFIG, sets).rollout
+    import yaml
 
+    for key, value in yaml.safe_load(rl.VLLM_CPU_CONFIG.read_text())["rollout"].items():
+        assert getattr(rollout, key) == value, key
+    # the transformers engine: two replicas, each holding its half of the 8 groups in flight
+    hf = rl.make_parser().parse_args(["--engine", "transformers"])
+    rl.resolve_sizes(hf, "cpu")
+    sets = rl.run_overrides(hf, "cpu")
+    assert hf.rollouts == 2 and "rollout.groups_per_batch=4" in sets
     assert load_config(rl.BASE_CONFIG, sets).rollout.groups_per_batch == 4
+    assert load_config(rl.BASE_CONFIG, sets).rollout.engine == "transformers"
     mixed = rl.make_parser().parse_args(["--sft-mix", "good=0.5,guess=0.5", "--no-filter-groups"])
     rl.resolve_sizes(mixed, "cpu")
     sets = rl.run_overrides(mixed, "cpu")
@@ -124,6 +136,7 @@ def test_real_learn_sizes_follow_the_device_and_the_flags():
     assert not any(s.startswith("data.sft_mix=") for s in sets)
     assert "learner.eval_every=6" in sets and "learner.algorithm.filter_groups=false" in sets
     assert gpu.rollouts == 1 and not any(s.startswith("rollout.groups_per_batch") for s in sets)
+    assert gpu.engine == "transformers" and "rollout.engine=transformers" in sets
     quick = rl.make_parser().parse_args(["--quick", "--rollouts", "2"])
     rl.resolve_sizes(quick, "cuda")
     assert quick.size == "quick" and quick.questions == 4

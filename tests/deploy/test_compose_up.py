@@ -16,7 +16,8 @@ docs/deploy.md's commands, into folders FORAGE_REDIS_SECRETS and FORAGE_TLS_SECR
 without TLS and, over TLS, one without a user; the weight server answers a caller without TLS
 with nothing and refuses one without the token.
 Then: every healthcheck passes, nothing restarts, /retrieve answers from outside the
-containers, the learner finishes 2 RL steps and Prometheus has scraped every target, and
+containers, the learner finishes 2 RL steps with the rollout replica on vLLM's CPU build
+serving the weights it published, Prometheus has scraped every target, and
 `docker compose down` stops the learner at a step boundary with a checkpoint written to the
 `forage-checkpoints` volume. Traffic goes only to loopback and to the containers made here.
 """
@@ -50,7 +51,6 @@ MIN_COMPOSE = (2, 24, 4)  # `!reset` / `!override` in the layout files
 # docs/deploy.md ("Try the stack without a GPU"): the users of the CPU layout's namespace
 REDIS_ACL = ["redis", "acl", "--config", "configs/search_r1_nq_hotpotqa.yaml",
              "--config", "configs/compose_cpu.yaml", "--out"]
-
 TLS_CERTS = ["tls", "certs", "--out"]
 # Run in the scorer's container (it has the CA): the weight server's answer to a caller without
 # TLS, then to one with TLS and the CA but no token.
@@ -65,6 +65,7 @@ for ca in (None, "/run/secrets/tls-ca"):
     except WeightSyncError as exc:
         print(exc.reason)
 """
+
 
 def _version(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
@@ -90,8 +91,14 @@ class Compose:
         res = subprocess.run([*argv, *args], cwd=REPO, env=self.env, capture_output=True,
                              text=True, timeout=timeout, check=False)
         if check and res.returncode != 0:
+            failed = ""
+            if args and args[0] == "up":  # what the services that stopped or failed said
+                logs = subprocess.run([*argv, "logs", "--no-color", "--tail", "40"], cwd=REPO,
+                                      env=self.env, capture_output=True, text=True,
+                                      timeout=120, check=False).stdout
+                failed = f"\nthe services' last lines:\n{logs[-8000:]}"
             raise AssertionError(f"docker compose {' '.join(args)} exited {res.returncode}:\n"
-                                 f"{res.stdout[-3000:]}\n{res.stderr[-5000:]}")
+                                 f"{res.stdout[-3000:]}\n{res.stderr[-5000:]}{failed}")
         return res
 
     def containers(self) -> dict[str, dict[str, Any]]:
@@ -201,6 +208,11 @@ def compose(forage_cpu_image, tmp_path):
         project.run("down", "-v", "--remove-orphans", "--timeout", "10", check=False)
 
 
+# `up` waits for every healthcheck (up to 900 s) and the steps for up to 600 s more.
+@pytest.mark.timeout(1800)
+@pytest.mark.allow_slow(reason="docker compose up of the whole CPU stack in containers: the "
+                        "learner's op build, vLLM's start in the rollout container and 2 RL "
+                        "steps, 200-500 s on 2 cores")
 def test_compose_up_cpu_layout_trains_scrapes_and_checkpoints_on_down(compose):
     started = time.monotonic()
     compose.run("up", "-d", "--no-build", "--quiet-pull", timeout=900)
@@ -227,12 +239,12 @@ def test_compose_up_cpu_layout_trains_scrapes_and_checkpoints_on_down(compose):
     anonymous = compose.run("exec", "-T", "redis", "redis-cli", "--tls", "--cacert",
                             "/run/secrets/tls-ca", "ping", check=False)
     assert "NOAUTH" in anonymous.stdout + anonymous.stderr, anonymous
-
     # The weight server speaks TLS only and still wants the token.
     probe = compose.run("exec", "-T", "scorer", "python", "-c", WEIGHT_SYNC_PROBE, check=False)
     answers = probe.stdout.split()
     assert len(answers) == 2 and answers[0] not in ("auth", "answered"), probe
     assert answers[1] == "auth", probe
+
     # The learner finishes 2 RL steps, seen through Prometheus, which scrapes every target.
     prometheus = compose.host_port("prometheus", 9090)
     deadline = time.monotonic() + 600
@@ -250,6 +262,7 @@ def test_compose_up_cpu_layout_trains_scrapes_and_checkpoints_on_down(compose):
                                             "redis")}, targets
     # Each service's own metrics, as scraped (a labelled counter appears with its first event,
     # and the last scrape may predate it: poll).
+    # The replica serves a policy version the learner published (vLLM took the weights).
     wanted = {"forage_retriever_index_loaded": 1.0, "redis_up": 1.0,
               "forage_rollout_generated_tokens_total": 1.0, "forage_scorer_items_total": 1.0,
               "forage_rollout_policy_version": 1.0}
@@ -261,6 +274,10 @@ def test_compose_up_cpu_layout_trains_scrapes_and_checkpoints_on_down(compose):
             seen[metric] = float(result[0]["value"][1]) if result else 0.0
         time.sleep(3)
     assert all(seen[m] >= v for m, v in wanted.items()), seen
+    # The layout's rollout engine is vLLM's CPU build, inside forage:cpu, reloading weights.
+    rollout_log = compose.run("logs", "--no-color", "rollout", check=False).stdout
+    assert "Initializing a V1 LLM engine" in rollout_log, rollout_log[-3000:]
+    assert re.search(r"loaded policy version [1-9]", rollout_log), rollout_log[-3000:]
 
     # `docker compose down`: the learner (torchrun, then the rank) stops at a step boundary and
     # saves into the named volume, which down keeps.

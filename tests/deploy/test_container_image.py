@@ -5,11 +5,14 @@ nothing can be pulled), local stand-ins for the base images under the names the 
 compose file use (deploy/local-base-images.sh), and deploy/build-offline.sh: a host-side
 wheelhouse and `docker build --network=none` of deploy/Dockerfile's cpu target, unchanged but
 for its documented offline mode. Then the image runs: `forage` as user 1000 with a writable
-/data, a reward scored by `forage score`, and Redis reached by its service name on a
-user-defined network, as the compose file wires them.
+/data, a reward scored by `forage score`, Redis reached by its service name on a
+user-defined network, as the compose file wires them, and `forage doctor` finding vLLM's CPU
+build (the compose layout's rollout engine) importable beside the image's torch.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -29,7 +32,9 @@ def test_cpu_image_builds_offline_and_runs_with_redis_by_name(forage_cpu_image):
             "forage score --data-source nq --solution '<answer> Paris </answer>' "
             "--ground-truth '{\"target\": [\"paris\"]}'; "
             "python -c \"import redis; print('redis-by-name', redis.Redis(host='redis', "
-            "socket_timeout=10).ping())\""
+            "socket_timeout=10).ping())\"; "
+            "forage doctor --json >/tmp/doctor.json || true; "
+            "echo doctor-begin; cat /tmp/doctor.json; echo; echo doctor-end"
         )
         out = engine.docker("run", "--rm", "--network", NETWORK, "--entrypoint", "sh",
                             "forage:cpu", "-c", script)
@@ -39,6 +44,9 @@ def test_cpu_image_builds_offline_and_runs_with_redis_by_name(forage_cpu_image):
         assert "1000" in lines and "data-writable" in lines, text
         assert any(line.startswith('{"score": 1.0') for line in lines), text
         assert "redis-by-name True" in lines, text
+        doctor = json.loads(text.split("doctor-begin", 1)[1].split("doctor-end", 1)[0])
+        assert doctor["ok"] and doctor["errors"] == 0, doctor["findings"]
+        assert doctor["versions"]["vllm"] == "0.32.0", doctor["versions"]
         user = engine.docker("image", "inspect", "--format", "{{.Config.User}}", "forage:cpu")
         assert user.stdout.strip() == "1000:1000"
     finally:  # the engine is shared with the compose test

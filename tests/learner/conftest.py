@@ -22,27 +22,6 @@ def _one_thread() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-# LOCAL_RANK stays: DeepSpeed reads it in this process; without RANK / WORLD_SIZE a child
-# process makes its own group (services/learner/distributed.py).
-DIST_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-@pytest.fixture(autouse=True)
-def _no_leaked_rank_env():
-    """A trainer built in this process makes a 1-rank group and sets RANK, MASTER_PORT, ... in
-    os.environ (services/learner/distributed.py). Left there, every later learner or SFT
-    subprocess of the session inherits them and tries to join that group on a port this process
-    holds (EADDRINUSE). The group itself stays initialised for later in-process trainers
-    (DeepSpeed reuses it without the variables)."""
-    before = {k: os.environ.get(k) for k in DIST_ENV}
-    yield
-    for key, value in before.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
 @pytest.fixture()
 def samples_factory():
     """`make_samples` (importlib mode cannot import conftest from a test module)."""
