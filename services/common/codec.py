@@ -464,15 +464,24 @@ def _read_turns(f: _Fields, length: int) -> list[Turn]:
     return turns
 
 
+def _per_turn(f: _Fields, key: str, turns: list[Turn]) -> list[Any] | None:
+    """An optional per-turn field: a list with one entry per turn, or None when absent (records
+    that predate it)."""
+    raw = f.raw(key)
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) != len(turns):
+        raise CodecError(f"{f.schema}: {key} must be a list with one entry per turn "
+                         f"({len(turns)})")
+    return raw
+
+
 def _read_turn_retrieval(f: _Fields, turns: list[Turn]) -> None:
     """The optional `turn_retrieval`: per turn, null or [ms, cached, passages, empty, gold]
     (services/common/trajectory.TurnRetrieval); absent in records that predate it."""
-    raw = f.raw("turn_retrieval")
+    raw = _per_turn(f, "turn_retrieval", turns)
     if raw is None:
         return
-    if not isinstance(raw, list) or len(raw) != len(turns):
-        raise CodecError(f"{f.schema}: turn_retrieval must be a list with one entry per turn "
-                         f"({len(turns)})")
     for index, (turn, row) in enumerate(zip(turns, raw, strict=True)):
         if row is None:
             continue
@@ -505,12 +514,9 @@ def _read_turn_index(f: _Fields, turns: list[Turn]) -> None:
 
 def _read_turn_docs(f: _Fields, turns: list[Turn]) -> None:
     """The optional `turn_docs`: per turn, null or [[doc id, title], ...] (absent: none)."""
-    raw = f.raw("turn_docs")
+    raw = _per_turn(f, "turn_docs", turns)
     if raw is None:
         return
-    if not isinstance(raw, list) or len(raw) != len(turns):
-        raise CodecError(f"{f.schema}: turn_docs must be a list with one entry per turn "
-                         f"({len(turns)})")
     for index, (turn, docs) in enumerate(zip(turns, raw, strict=True)):
         if docs is None:
             continue
