@@ -342,11 +342,13 @@ def test_relays_require_the_learners_token():
 
 
 def test_relays_over_tls_from_the_config_keys(tmp_path):
-    """The learner and two relays serve TLS with the certificates docs/deploy.md's keys name;
-    replicas verify both with the CA (relays by the name the keys say) and still send the
-    token."""
+    """The learner and two relays serve TLS with the files docker-compose.yml's environment
+    names (the keys the deploy files set); replicas verify both with the CA (relays by the name
+    that environment gives) and still send the token."""
     import_or_skip("cryptography", "the TLS tests make their certificates with it")
     import shutil
+
+    import yaml
 
     from services.common.config import ConfigError, load_config
     from services.common.weight_sync.settings import (
@@ -358,15 +360,18 @@ def test_relays_over_tls_from_the_config_keys(tmp_path):
     from tests.common.tls_certs import make_certs
 
     certs = make_certs(tmp_path)  # ca.crt, and a server certificate for 127.0.0.1, localhost
+    # the compose secrets' files, here: the CA, and the test's server pair for learner and relay
+    files = {"tls-ca": certs["ca"].cert}
     for name in ("learner", "relay"):
-        shutil.copy(certs["server"].cert, tmp_path / f"{name}.crt")
-        shutil.copy(certs["server"].key, tmp_path / f"{name}.key")
-    doc = (ROOT / "docs" / "deploy.md").read_text().split("**Weight-sync TLS.**", 1)[1]
-    keys = doc.split("```yaml\n", 1)[1].split("```", 1)[0]
-    (tmp_path / "tls.yaml").write_text(keys.replace("/run/weight-sync-tls", str(tmp_path)))
-    cfg = load_config(tmp_path / "tls.yaml", [
-        f"learner.weight_sync_chunk_bytes={CHUNK}", "learner.weight_sync_token=s3cret",
-        "rollout.weight_relay_tls_name=localhost"], environ={})  # what the test certificate names
+        files[f"tls-{name}-cert"] = shutil.copy(certs["server"].cert, tmp_path / f"{name}.crt")
+        files[f"tls-{name}-key"] = shutil.copy(certs["server"].key, tmp_path / f"{name}.key")
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    environ = {key: str(files.get(value.removeprefix("/run/secrets/"), value))
+               for key, value in compose["x-tls-env"].items() if "WEIGHT" in key}
+    assert len(environ) == 6, environ  # the learner's three files, the relay's two and its name
+    environ["FORAGE_WEIGHT_RELAY_TLS_NAME"] = "localhost"  # what the test certificate names
+    cfg = load_config(None, [f"learner.weight_sync_chunk_bytes={CHUNK}",
+                             "learner.weight_sync_token=s3cret"], environ=environ)
     half = load_config(None, [f"learner.{k}=x" for k in (
         "weight_sync_tls_cert_file", "weight_sync_tls_key_file", "weight_sync_tls_ca_file")],
         environ={})

@@ -142,7 +142,15 @@ def test_dockerfile_installs_one_faiss_per_image() -> None:
     stages = dict(re.findall(r"^FROM \S+ AS (\w+)\n(.*?)(?=^FROM |\Z)", text, re.S | re.M))
     installs = {name: re.findall(r"pip install[^\n]*-e\s+(\S+)", body)
                 for name, body in stages.items()}
-    assert [i.strip("'\"") for i in installs["cpu"]] == [".[cpu]"], installs
+    # the cpu image: Forage with extras among which exactly one brings a faiss (the cpu one)
+    [cpu_install] = [i.strip("'\"") for i in installs["cpu"]]
+    extras = re.fullmatch(r"\.\[([\w,-]+)\]", cpu_install).group(1).split(",")
+    import tomllib
+
+    optional = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    faiss = [req for extra in extras for req in optional[extra] if req.startswith("faiss")]
+    assert faiss == ["faiss-cpu>=1.8"], (extras, faiss)
     # the gpu image installs its lock (resolved from the gpu extra), then Forage with no deps
     assert [i.strip("'\"") for i in installs["gpu"]] == ["."], installs
     assert "-r deploy/gpu-requirements.txt" in stages["gpu"]
