@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -495,6 +496,24 @@ def container_argv(container: dict[str, Any]) -> list[str]:
     image = str(container.get("image", ""))
     entry = container.get("command") or (["forage"] if image.startswith("forage:") else [])
     return list(entry) + list(container.get("args", []))
+
+
+def workload_containers(objects: list[dict[str, Any]], secret_dir: str
+                        ) -> Iterator[tuple[str, dict[str, Any], dict[str, Any],
+                                            dict[str, dict[str, str]]]]:
+    """(where, container, env, secrets) for every container and init container of every
+    Deployment, StatefulSet and Job: `where` is "object/container", `env` its plain values,
+    `secrets` the Secret items of the volume mounted at `secret_dir` (`secret_items`)."""
+    for obj in objects:
+        if obj["kind"] not in ("Deployment", "StatefulSet", "Job"):
+            continue
+        pod = pod_spec(obj)
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for container in pod.get("containers", []) + pod.get("initContainers", []):
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+            yield (f"{obj['metadata']['name']}/{container['name']}", container, env,
+                   secret_items(volumes.get(mounts.get(secret_dir), {})))
 
 
 def secret_items(volume: dict[str, Any]) -> dict[str, dict[str, str]]:

@@ -60,37 +60,28 @@ def compose_problems(model: dict, deploy) -> list[str]:
 
 def k8s_problems(objects: list[dict], deploy) -> list[str]:
     problems = []
-    for obj in objects:
-        if obj["kind"] not in ("Deployment", "StatefulSet", "Job"):
-            continue
-        pod = deploy.pod_spec(obj)
-        volumes = {v["name"]: v for v in pod.get("volumes", [])}
-        for container in pod.get("containers", []) + pod.get("initContainers", []):
-            where = f"{obj['metadata']['name']}/{container['name']}"
-            env = {e["name"]: e.get("value") for e in container.get("env", [])}
-            mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
-            # a Secret volume or a projected one (forage-redis's keys with forage-tls's)
-            secrets = deploy.secret_items(volumes.get(mounts.get(SECRET_DIR), {}))
-            items = secrets.get("forage-redis", {})
-            if set(secrets) - {"forage-redis", "forage-tls"} or not set(items) <= GENERATED:
-                problems.append(f"{where}: mounts {sorted(secrets)} keys {sorted(items)} "
-                                "forage redis acl does not write")
-            role = deploy.forage_role(deploy.container_argv(container))
-            if container["name"] == "redis":
-                args = container["args"]
-                if items != {ACL_FILE: "redis-acl"} or args[args.index("--aclfile") + 1] != (
-                        f"{SECRET_DIR}/redis-acl"):
-                    problems.append(f"{where}: not started with the Secret's {ACL_FILE}")
-            elif container["name"] == "exporter":
-                if (env.get("REDIS_USER"), items) != ("exporter", {"exporter.json":
-                                                                   "redis-exporter"}):
-                    problems.append(f"{where}: not the exporter user with its own password")
-            elif role is not None and container["name"] == role:
-                if (env.get("REDIS_USERNAME"), env.get("REDIS_PASSWORD_FILE"), items) != (
-                        role, f"{SECRET_DIR}/redis-{role}", {f"{role}.password": f"redis-{role}"}):
-                    problems.append(f"{where}: not user {role} with only its own password file")
-            elif items or env.get("REDIS_USERNAME"):
-                problems.append(f"{where}: does not talk to Redis but gets Redis credentials")
+    # a Secret volume or a projected one (forage-redis's keys with forage-tls's)
+    for where, container, env, secrets in deploy.workload_containers(objects, SECRET_DIR):
+        items = secrets.get("forage-redis", {})
+        if set(secrets) - {"forage-redis", "forage-tls"} or not set(items) <= GENERATED:
+            problems.append(f"{where}: mounts {sorted(secrets)} keys {sorted(items)} "
+                            "forage redis acl does not write")
+        role = deploy.forage_role(deploy.container_argv(container))
+        if container["name"] == "redis":
+            args = container["args"]
+            if items != {ACL_FILE: "redis-acl"} or args[args.index("--aclfile") + 1] != (
+                    f"{SECRET_DIR}/redis-acl"):
+                problems.append(f"{where}: not started with the Secret's {ACL_FILE}")
+        elif container["name"] == "exporter":
+            if (env.get("REDIS_USER"), items) != ("exporter", {"exporter.json":
+                                                               "redis-exporter"}):
+                problems.append(f"{where}: not the exporter user with its own password")
+        elif role is not None and container["name"] == role:
+            if (env.get("REDIS_USERNAME"), env.get("REDIS_PASSWORD_FILE"), items) != (
+                    role, f"{SECRET_DIR}/redis-{role}", {f"{role}.password": f"redis-{role}"}):
+                problems.append(f"{where}: not user {role} with only its own password file")
+        elif items or env.get("REDIS_USERNAME"):
+            problems.append(f"{where}: does not talk to Redis but gets Redis credentials")
     for obj in objects:
         if obj["kind"] == "TriggerAuthentication":
             refs = {r["parameter"]: (r["name"], r["key"]) for r in obj["spec"]["secretTargetRef"]

@@ -103,28 +103,19 @@ def compose_problems(model: dict, deploy) -> list[str]:
 
 def k8s_problems(objects: list[dict], deploy) -> list[str]:
     problems = []
-    for obj in objects:
-        if obj["kind"] not in ("Deployment", "StatefulSet", "Job"):
-            continue
-        pod = deploy.pod_spec(obj)
-        volumes = {v["name"]: v for v in pod.get("volumes", [])}
-        for container in pod.get("containers", []) + pod.get("initContainers", []):
-            where = f"{obj['metadata']['name']}/{container['name']}"
-            env = {e["name"]: e.get("value") for e in container.get("env", [])}
-            mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
-            tls = deploy.secret_items(volumes.get(mounts.get(SECRET_DIR), {})).get("forage-tls",
-                                                                                   {})
-            wrong = {k: p for k, p in tls.items() if TLS_FILES.get(p) != k}
-            if wrong:
-                problems.append(f"{where}: forage-tls keys at the wrong paths: {wrong}")
-            role = {"redis": "redis", "exporter": "exporter"}.get(
-                container["name"], deploy.forage_role(deploy.container_argv(container)))
-            problems += _client_problems(where, role, env, set(tls.values()))
-            if role == "redis":
-                probe = container["readinessProbe"]["exec"]["command"]
-                problems += _redis_problems(where, container["args"], probe)
-            elif role == "exporter":
-                problems += _exporter_problems(where, env)
+    for where, container, env, secrets in deploy.workload_containers(objects, SECRET_DIR):
+        tls = secrets.get("forage-tls", {})
+        wrong = {k: p for k, p in tls.items() if TLS_FILES.get(p) != k}
+        if wrong:
+            problems.append(f"{where}: forage-tls keys at the wrong paths: {wrong}")
+        role = {"redis": "redis", "exporter": "exporter"}.get(
+            container["name"], deploy.forage_role(deploy.container_argv(container)))
+        problems += _client_problems(where, role, env, set(tls.values()))
+        if role == "redis":
+            probe = container["readinessProbe"]["exec"]["command"]
+            problems += _redis_problems(where, container["args"], probe)
+        elif role == "exporter":
+            problems += _exporter_problems(where, env)
     auths = deploy.by_kind(objects, "TriggerAuthentication")
     for name, auth in auths.items():
         refs = {r["parameter"]: (r["name"], r["key"]) for r in auth["spec"]["secretTargetRef"]}
