@@ -157,12 +157,12 @@ def build_index(
         "query_prefix": query_prefix if dense else "",
     }
 
-    with _lock(out_dir):
+    with out_dir_lock(out_dir):
         reused = _reusable(out_dir, build_key)
         if reused:
             log.info("index in %s is up to date with its inputs; reusing it", out_dir)
             return out_dir
-        _check_out_dir_is_ours(out_dir)
+        check_out_dir_is_ours(out_dir)
         stage = out_dir.parent / f".{out_dir.name}.partial"
         _prepare_stage(stage, stage_key)
 
@@ -177,7 +177,7 @@ def build_index(
                 if is_factory(index_type):
                     index = _build_factory(index_type, vectors, index_params, show_progress)
                 else:
-                    bar = _bar(show_progress, stats.rows, f"add to {index_type} index")
+                    bar = progress_bar(show_progress, stats.rows, f"add to {index_type} index")
                     index = build_dense(index_type, vectors, index_params,
                                         progress=bar.update if bar else None)
                     if bar:
@@ -218,7 +218,7 @@ def build_index(
                 "build_seconds": round(time.monotonic() - started, 3),
             }
             write_json_atomic(stage / MANIFEST_FILE, manifest)
-            _swap_into_place(stage, out_dir)
+            swap_into_place(stage, out_dir)
     log.info("built %s index of %d passages in %s (%.1fs)", index_type, stats.rows, out_dir,
              time.monotonic() - started)
     return out_dir
@@ -232,7 +232,7 @@ def _build_factory(index_type: str, vectors: np.ndarray, params: dict[str, Any],
     factory = str(params["factory"])
     rows = vectors.shape[0]
     log.info("building %s (%s) over %d vectors", index_type, factory, rows)
-    bar = _bar(show_progress, rows, f"add to {factory}")
+    bar = progress_bar(show_progress, rows, f"add to {factory}")
     try:
         return build_factory(factory, vectors, params, progress=bar.update if bar else None,
                              log=log.info)
@@ -283,7 +283,7 @@ def _write_docs_and_embeddings(
     if done:
         log.info("resuming an interrupted build at row %d of %d", done, rows)
     writer = DocStoreWriter(stage, rows, resume_rows=done, resume_bytes=done_bytes)
-    bar = _bar(show_progress, rows, "encode" if dense else "docstore", initial=done)
+    bar = progress_bar(show_progress, rows, "encode" if dense else "docstore", initial=done)
     try:
         chunk: list[dict[str, Any]] = []
         for doc in iter_corpus(corpus, skip=done):
@@ -326,7 +326,9 @@ def _docstore_texts(stage: Path) -> Iterator[str]:
             yield json.loads(line)["contents"]
 
 
-def _bar(show: bool, total: int, desc: str, initial: int = 0):
+def progress_bar(show: bool, total: int, desc: str, initial: int = 0):
+    """A passage-counting tqdm bar, or None when progress is off (`--no-progress`, a log file):
+    the index build and `import-index` show their long passes the same way."""
     if not show:
         return None
     from tqdm import tqdm
@@ -347,7 +349,7 @@ def _reusable(out_dir: Path, build_key: dict[str, Any]) -> bool:
     return True
 
 
-def _check_out_dir_is_ours(out_dir: Path) -> None:
+def check_out_dir_is_ours(out_dir: Path) -> None:
     """Never replace a directory that is not an index: `--out` pointing at a data folder must
     not delete the user's files."""
     if out_dir.exists() and not out_dir.is_dir():
@@ -373,7 +375,9 @@ def _prepare_stage(stage: Path, stage_key: dict[str, Any]) -> None:
     write_json_atomic(key_path, stage_key)
 
 
-def _swap_into_place(stage: Path, out_dir: Path) -> None:
+def swap_into_place(stage: Path, out_dir: Path) -> None:
+    """Replace `out_dir` with the finished `stage` by renames, so a reader sees the old index or
+    the new one, never a half-written one; the old one is deleted after."""
     old = None
     if out_dir.exists():
         old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
@@ -412,7 +416,7 @@ def _cleanup_on_failure(stage: Path):
 
 
 @contextmanager
-def _lock(out_dir: Path):
+def out_dir_lock(out_dir: Path):
     """One build per output at a time (two would share the staging directory).
 
     The lock file is removed by the build that holds it, while it still holds it; a build that

@@ -32,10 +32,10 @@ from typing import Any
 
 from services.retriever.build import (
     BuildError,
-    _bar,
-    _check_out_dir_is_ours,
-    _lock,
-    _swap_into_place,
+    check_out_dir_is_ours,
+    out_dir_lock,
+    progress_bar,
+    swap_into_place,
 )
 from services.retriever.corpus import CorpusError, iter_corpus
 from services.retriever.docstore import DOCS_FILE, OFFSETS_FILE, DocStoreError, DocStoreWriter
@@ -150,8 +150,8 @@ def import_index(
     encoder_path = model.path
     del model
 
-    with _lock(out_dir):
-        _check_out_dir_is_ours(out_dir)
+    with out_dir_lock(out_dir):
+        check_out_dir_is_ours(out_dir)
         stage = out_dir.parent / f".{out_dir.name}.partial"
         shutil.rmtree(stage, ignore_errors=True)
         stage.mkdir(parents=True)
@@ -191,7 +191,7 @@ def import_index(
                 "build_seconds": round(time.monotonic() - started, 3),
             }
             write_json_atomic(stage / MANIFEST_FILE, manifest)
-            _swap_into_place(stage, out_dir)
+            swap_into_place(stage, out_dir)
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise
@@ -205,7 +205,7 @@ def _write_docstore(corpus: Path, stage: Path, count: int, faiss_path: Path,
     """The document store of `corpus`, which must have exactly `count` rows (vector N is row
     N): one pass, stopped at the first row past `count`."""
     writer = DocStoreWriter(stage, count)
-    bar = _bar(show_progress, count, "docstore")
+    bar = progress_bar(show_progress, count, "docstore")
     try:
         for doc in iter_corpus(corpus):
             if writer.rows == count:
