@@ -9,6 +9,8 @@ import sys
 
 from services.common.cli_args import add_config_args, config_from_args
 from services.common.logs import setup_logging
+from services.retriever import search_r1_encoding as search_r1
+from services.retriever.encoder import POOLINGS
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -76,17 +78,20 @@ def register(parser: argparse.ArgumentParser) -> None:
     imported.add_argument("--encoder", required=True,
                           help="the model directory the index was built with (e5-base-v2 for "
                           "Search-R1's index); nothing is downloaded")
-    imported.add_argument("--query-prefix", default="query: ", help='("query: ", e5)')
-    imported.add_argument("--passage-prefix", default="passage: ",
-                          help='recorded only, passages are not encoded ("passage: ", e5)')
-    imported.add_argument("--pooling", default="mean", choices=("mean", "cls", "model"),
+    imported.add_argument("--query-prefix", default=search_r1.QUERY_PREFIX,
+                          help=f'("{search_r1.QUERY_PREFIX}", e5)')
+    imported.add_argument("--passage-prefix", default=search_r1.PASSAGE_PREFIX,
+                          help="recorded only, passages are not encoded "
+                          f'("{search_r1.PASSAGE_PREFIX}", e5)')
+    imported.add_argument("--pooling", default=search_r1.POOLING, choices=POOLINGS,
                           help="mean or cls over the last hidden states, or the model "
                           "directory's own pooling (mean, as Search-R1 pools e5)")
     imported.add_argument("--no-normalize", action="store_true",
                           help="do not L2-normalise query vectors (Search-R1 normalises all "
                           "but DPR)")
-    imported.add_argument("--query-max-length", type=int, default=256,
-                          help="tokens kept per query (256, Search-R1's server)")
+    imported.add_argument("--query-max-length", type=int, default=search_r1.QUERY_MAX_LENGTH,
+                          help=f"tokens kept per query ({search_r1.QUERY_MAX_LENGTH}, "
+                          "Search-R1's server)")
     imported.add_argument("--copy", action="store_true",
                           help="copy the FAISS file (default: a hard link, or a symbolic link "
                           "across filesystems)")

@@ -42,14 +42,15 @@ from services.retriever.docstore import DOCS_FILE, OFFSETS_FILE, DocStoreError, 
 from services.retriever.encoder import POOLINGS
 from services.retriever.indexes import FAISS_FILE
 from services.retriever.manifest import FORMAT_VERSION, MANIFEST_FILE, checksums, write_json_atomic
+from services.retriever.search_r1_encoding import (
+    PASSAGE_PREFIX,
+    POOLING,
+    QUERY_MAX_LENGTH,
+    QUERY_PREFIX,
+)
 
 log = logging.getLogger("forage.retriever.import")
 
-# Search-R1's e5 query encoding (its retrieval server's defaults for e5-base-v2).
-SEARCH_R1_QUERY_PREFIX = "query: "
-SEARCH_R1_PASSAGE_PREFIX = "passage: "
-SEARCH_R1_POOLING = "mean"
-SEARCH_R1_QUERY_MAX_LENGTH = 256
 LINK_MODES = ("link", "copy")
 
 # The first four bytes of a FAISS file name its index class; these are the ones imported.
@@ -109,11 +110,11 @@ def import_index(
     corpus: str | Path,
     out_dir: str | Path,
     encoder: str,
-    query_prefix: str = SEARCH_R1_QUERY_PREFIX,
-    passage_prefix: str = SEARCH_R1_PASSAGE_PREFIX,
-    pooling: str = SEARCH_R1_POOLING,
+    query_prefix: str = QUERY_PREFIX,
+    passage_prefix: str = PASSAGE_PREFIX,
+    pooling: str = POOLING,
     normalize: bool = True,
-    query_max_length: int | None = SEARCH_R1_QUERY_MAX_LENGTH,
+    query_max_length: int | None = QUERY_MAX_LENGTH,
     link: str = "link",
     show_progress: bool = True,
 ) -> Path:
