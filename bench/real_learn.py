@@ -533,7 +533,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the bench's own greedy play (on a shared 2-core "
-                             "box 2 threads took 142 s where 1 took 16 s: bench/README.md)")
+                             "box 2 threads took 155 s where 1 took 16.4 s: bench/README.md)")
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="an imported model directory (default: OUT/smollm2-135m-instruct, "
                              "imported from the packaged GGUF file when missing)")
