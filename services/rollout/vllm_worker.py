@@ -69,6 +69,26 @@ SHARE_WAIT_S = 20.0
 # `Worker.reload_weights(weights_iterator=...)` in a real worker).
 ReloadWeights = Callable[[Iterator[tuple[str, Any]]], Any]
 
+# vLLM's in-place reload warns "<Layer>: Failed to load weights" for every layer that holds
+# tensors the update did not carry, then keeps that layer's own. A rotary embedding holds only
+# its cos/sin cache, computed at load and in no checkpoint or transfer, so every update of every
+# model logged that warning once per rotary module: noise that reads as a failure. Only that
+# case is dropped; any other layer's warning still shows.
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class _RotaryReloadNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args
+                    and str(record.args[0]).endswith("RotaryEmbedding"))
+
+
+def quiet_rotary_reload_warning() -> None:
+    """Drop vLLM's rotary-embedding reload warning in this process (idempotent)."""
+    logger = logging.getLogger(RELOAD_LOGGER)
+    if not any(isinstance(f, _RotaryReloadNoise) for f in logger.filters):
+        logger.addFilter(_RotaryReloadNoise())
+
 
 def _result(ok: bool, version: int, rank: int | None, reason: str = "", error: str = "",
             tensors: int = 0, nbytes: int = 0) -> dict[str, Any]:
@@ -250,6 +270,7 @@ class ForageWorkerExtension:
         if reload is None:
             raise RuntimeError("this vLLM worker has no in-place weight reload "
                                "(Worker.reload_weights, vLLM 0.32 or newer)")
+        quiet_rotary_reload_warning()
         reload(weights_iterator=weights)
 
     def forage_commit_weights(self, version: int) -> dict[str, Any]:

@@ -265,3 +265,37 @@ def test_rollout_worker_keeps_serving_old_weights_after_a_corrupt_transfer(tiny_
         worker.loop.close()
         worker._client().close()
         srv.stop(0)
+
+
+def test_the_rotary_reload_warning_is_dropped_and_every_other_layer_still_warns():
+    """vLLM's in-place reload warns "<Layer>: Failed to load weights" for a layer whose tensors
+    the update did not carry; a rotary embedding holds only its computed cos/sin cache, so the
+    warning came on every update. The filter sits on the installed vLLM's own logger and drops
+    that case alone."""
+    import logging
+
+    from services.rollout.vllm_worker import RELOAD_LOGGER, quiet_rotary_reload_warning
+    from tests.conftest import import_or_skip
+
+    import_or_skip("vllm", "vLLM's reload module names the logger")
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    assert layerwise.logger.name == RELOAD_LOGGER
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    keep = Keep()
+    layerwise.logger.addHandler(keep)
+    try:
+        quiet_rotary_reload_warning()
+        quiet_rotary_reload_warning()  # once per process, however often a reload runs
+        assert sum(type(f).__name__ == "_RotaryReloadNoise" for f in layerwise.logger.filters) == 1
+        layerwise.logger.warning("%s: Failed to load weights", "RotaryEmbedding")
+        layerwise.logger.warning("%s: Failed to load weights", "Llama3RotaryEmbedding")
+        layerwise.logger.warning("%s: Failed to load weights", "QKVParallelLinear")
+    finally:
+        layerwise.logger.removeHandler(keep)
+    assert seen == ["QKVParallelLinear: Failed to load weights"]
