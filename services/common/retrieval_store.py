@@ -4,7 +4,9 @@ rollout's `rollout.retrieval_cache` (docs/eval.md, docs/rollout.md).
 A backend answers `retrieve(queries) -> per query: [{"document", "score"}, ...] or
 QueryRejected`, the interface of the rollout's RetrieverClient, so the agent loop takes any of
 them. `Recording` writes every answer of a live backend to the store; `Replay` answers from the
-store alone.
+store alone; `ReadThrough` answers from the store what it holds, asks the live backend the rest
+and keeps the rows under a byte bound by evicting the least recently used (the only one that
+evicts: a cache's rows carry a last-use time and the file a running byte count).
 
 Index identity: a hash of the index's manifest (its build key, each file's checksum, the
 count and type), never of its path or build time: a copied index keeps its identity, a rebuilt
@@ -53,6 +55,14 @@ MANIFEST_FILE = "manifest.json"  # an index directory's manifest (services/retri
 BUSY_TIMEOUT_S = 30.0  # SQLite waits this long for another writer's lock...
 LOCK_RETRIES = 5  # ...and a statement that still fails is retried this many times
 T = TypeVar("T")
+
+
+def _row_bytes(row: str = "") -> str:
+    """A row's bytes as a cache counts them (cache_usage), as SQL: its key's and result's text
+    in UTF-8 plus its two integers. SQLite's pages and the key index add to the file."""
+    return " + ".join([*(f"length(CAST({row}{column} AS BLOB))"
+                         for column in ("index_id", "settings", "query", "result")), "16"])
+
 
 
 @dataclass(frozen=True)
@@ -349,24 +359,133 @@ class Store:
         passages are the same, or a Conflict (nothing written) when they differ."""
         def write() -> list[Result | Conflict]:
             self._db.execute("BEGIN IMMEDIATE")  # read and write under one lock: no race
-            out: list[Result | Conflict] = []
-            for query, result in items:
-                key = (index_id, settings, topk, query)
-                row = self._db.execute(
-                    "SELECT result FROM results WHERE index_id=? AND settings=? AND topk=? "
-                    "AND query=?", key).fetchone()
-                if row is None:
-                    self._db.execute("INSERT INTO results VALUES (?, ?, ?, ?, ?)",
-                                     (*key, encode(result)))
-                    out.append(result)
-                    continue
-                held = decode(row[0])
-                same = _passages(held) == _passages(result)
-                out.append(held if same else Conflict(query, held, result))
+            out = self._insert(index_id, settings, topk, items, None)
             self._db.commit()
             return out
 
         return self._retrying(write)
+
+    def _insert(self, index_id: str, settings: str, topk: int,
+                items: Sequence[tuple[str, Result]], used_at: int | None
+                ) -> list[Result | Conflict]:
+        """put's rows, inside the caller's transaction; `used_at` (a cache store) also marks
+        each row written or matched as used then."""
+        out: list[Result | Conflict] = []
+        for query, result in items:
+            key = (index_id, settings, topk, query)
+            row = self._db.execute(
+                "SELECT result FROM results WHERE index_id=? AND settings=? AND topk=? "
+                "AND query=?", key).fetchone()
+            if row is None:
+                if used_at is None:
+                    self._db.execute("INSERT INTO results (index_id, settings, topk, query, "
+                                     "result) VALUES (?, ?, ?, ?, ?)", (*key, encode(result)))
+                else:
+                    self._db.execute("INSERT INTO results (index_id, settings, topk, query, "
+                                     "result, last_used) VALUES (?, ?, ?, ?, ?, ?)",
+                                     (*key, encode(result), used_at))
+                out.append(result)
+                continue
+            held = decode(row[0])
+            same = _passages(held) == _passages(result)
+            if same and used_at is not None:
+                self._touch(key, used_at)
+            out.append(held if same else Conflict(query, held, result))
+        return out
+
+    # ------------------------------------------------------------ a size-bounded cache
+    # Only `rollout.retrieval_cache.mode: cache` calls these: they add a last-use column and a
+    # running byte count to the file, and evict rows; record and replay never evict.
+
+    def enable_cache(self) -> None:
+        """Make this store a cache: each row's last use (`last_used`, indexed, for LRU
+        eviction) and the rows' bytes kept by triggers in `cache_usage`, so the size is known
+        without a scan (whatever mode writes the rows). Idempotent, and safe when several
+        replicas open the file at once (one transaction)."""
+        def setup() -> None:
+            self._db.execute("BEGIN IMMEDIATE")
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(results)")}
+            if "last_used" not in columns:
+                self._db.execute("ALTER TABLE results ADD COLUMN last_used INTEGER NOT NULL "
+                                 "DEFAULT 0")
+            self._db.execute("CREATE INDEX IF NOT EXISTS results_last_used ON results "
+                             "(last_used)")
+            if self._db.execute("SELECT name FROM sqlite_master WHERE type='table' "
+                                "AND name='cache_usage'").fetchone() is None:
+                self._db.execute("CREATE TABLE cache_usage (id INTEGER PRIMARY KEY "
+                                 "CHECK (id = 0), bytes INTEGER NOT NULL, rows INTEGER NOT NULL)")
+                self._db.execute(f"INSERT INTO cache_usage SELECT 0, "
+                                 f"COALESCE(SUM({_row_bytes()}), 0), COUNT(*) FROM results")
+            new_row, old_row = f"({_row_bytes('new.')})", f"({_row_bytes('old.')})"
+            self._db.execute("CREATE TRIGGER IF NOT EXISTS results_usage_insert AFTER INSERT "
+                             "ON results BEGIN UPDATE cache_usage SET bytes = bytes + "
+                             f"{new_row}, rows = rows + 1; END")
+            self._db.execute("CREATE TRIGGER IF NOT EXISTS results_usage_delete AFTER DELETE "
+                             "ON results BEGIN UPDATE cache_usage SET bytes = bytes - "
+                             f"{old_row}, rows = rows - 1; END")
+            self._db.commit()
+
+        self._retrying(setup)
+
+    def _touch(self, key: tuple[str, str, int, str], used_at: int) -> None:
+        self._db.execute("UPDATE results SET last_used=? WHERE index_id=? AND settings=? "
+                         "AND topk=? AND query=?", (used_at, *key))
+
+    def lookup(self, index_id: str, settings: str, topk: int, queries: Sequence[str],
+               used_at: int) -> dict[str, Result]:
+        """The results the store holds for these queries (each asked once), marking each
+        found row used at `used_at`, in one transaction (a cache store: enable_cache)."""
+        def read() -> dict[str, Result]:
+            self._db.execute("BEGIN IMMEDIATE")
+            found: dict[str, Result] = {}
+            for query in dict.fromkeys(queries):
+                key = (index_id, settings, topk, query)
+                row = self._db.execute(
+                    "SELECT result FROM results WHERE index_id=? AND settings=? AND topk=? "
+                    "AND query=?", key).fetchone()
+                if row is not None:
+                    found[query] = decode(row[0])
+                    self._touch(key, used_at)
+            self._db.commit()
+            return found
+
+        return self._retrying(read)
+
+    def cache_put(self, index_id: str, settings: str, topk: int,
+                  items: Sequence[tuple[str, Result]], used_at: int, max_bytes: int
+                  ) -> tuple[list[Result | Conflict], int, int]:
+        """put for a cache store, then evict the least recently used rows until the rows'
+        bytes are at most `max_bytes` (0: unbounded), in one transaction: (what put returns,
+        rows evicted, the rows' bytes after)."""
+        def write() -> tuple[list[Result | Conflict], int, int]:
+            self._db.execute("BEGIN IMMEDIATE")
+            out = self._insert(index_id, settings, topk, items, used_at)
+            evicted = self._evict(max_bytes)
+            used = self._db.execute("SELECT bytes FROM cache_usage").fetchone()[0]
+            self._db.commit()
+            return out, evicted, int(used)
+
+        return self._retrying(write)
+
+    def _evict(self, max_bytes: int) -> int:
+        """Delete least-recently-used rows until the rows' bytes fit (inside a transaction):
+        each round deletes about as many rows as the excess holds at the average row size."""
+        evicted = 0
+        while max_bytes > 0:
+            used, rows = self._db.execute("SELECT bytes, rows FROM cache_usage").fetchone()
+            if used <= max_bytes or rows <= 0:
+                break
+            count = max(1, -(-(used - max_bytes) * rows // used))
+            evicted += self._db.execute(
+                "DELETE FROM results WHERE rowid IN (SELECT rowid FROM results "
+                "ORDER BY last_used LIMIT ?)", (count,)).rowcount
+        return evicted
+
+    def cache_bytes(self) -> int:
+        """The rows' bytes of a cache store (enable_cache)."""
+        row = self._retrying(lambda: self._db.execute(
+            "SELECT bytes FROM cache_usage").fetchone())
+        return int(row[0])
 
     def get(self, index_id: str, settings: str, topk: int, query: str) -> Result | None:
         row = self._retrying(lambda: self._db.execute(
@@ -487,3 +606,55 @@ class Replay:
                 continue
             out.append(found)
         return out
+
+
+@dataclass(frozen=True)
+class CacheBatch:
+    """What one read-through batch did: per query whether the store answered it, how many
+    distinct queries the retriever was asked, rows evicted, conflicts, and the rows' bytes."""
+
+    hits: list[bool]
+    asked: int
+    evicted: int
+    conflicts: list[Conflict]
+    bytes: int | None  # None: nothing was written (an all-hit batch)
+
+
+class ReadThrough:
+    """A cache in front of a live backend: a query the store holds (same key as record and
+    replay) is answered from it; the batch's misses go to the backend in one call, each
+    distinct query once (a GRPO group's samples often search the same words), and are written
+    with LRU eviction down to `max_bytes` (0: unbounded). A live answer whose passages differ
+    from a stored one is served as it is and reported in `last.conflicts`; the stored one
+    stays (never overwritten). Call `store.enable_cache()` first."""
+
+    def __init__(self, inner: Backend, store: Store, index_id: str, settings: dict[str, Any],
+                 topk: int, max_bytes: int) -> None:
+        self.inner, self.store, self.index_id = inner, store, index_id
+        self.settings, self.topk, self.max_bytes = settings_key(settings), topk, max_bytes
+        self.retrieval_tag = retrieval_tag(index_id, settings, topk)
+        self.last = CacheBatch([], 0, 0, [], None)
+        store.register(index_id, self.settings)
+
+    def retrieve(self, queries: Sequence[str]) -> list[Result]:
+        used_at = time.time_ns() // 1000
+        found = self.store.lookup(self.index_id, self.settings, self.topk, queries, used_at)
+        missing = [q for q in dict.fromkeys(queries) if q not in found]
+        evicted, used = 0, None
+        conflicts: list[Conflict] = []
+        if missing:  # an outage (the backend raises) writes nothing and fails the batch
+            live = self.inner.retrieve(missing)
+            held, evicted, used = self.store.cache_put(
+                self.index_id, self.settings, self.topk, list(zip(missing, live, strict=True)),
+                used_at, self.max_bytes)
+            answers: dict[str, Result] = {}
+            for query, item, fresh in zip(missing, held, live, strict=True):
+                if isinstance(item, Conflict):
+                    conflicts.append(item)
+                    item = fresh
+                answers[query] = item
+            found = {**found, **answers}
+        asked = set(missing)
+        self.last = CacheBatch([q not in asked for q in queries], len(missing), evicted,
+                               conflicts, used)
+        return [found[q] for q in queries]

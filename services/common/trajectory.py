@@ -70,7 +70,7 @@ class TurnRetrieval:
     call; it is cached only when every call was."""
 
     ms: float  # wall time of the retrieval call that answered the turn (the call is batched)
-    cached: bool  # answered by the retrieval cache (rollout.retrieval_cache replay), no retriever
+    cached: bool  # answered by the retrieval cache (rollout.retrieval_cache replay or a cache hit)
     passages: int  # passages returned
     empty: int  # of them, how many have no contents (whitespace and quotes only)
     # Whether some passage contains a gold answer (whole words, normalised as EM normalises);

@@ -647,7 +647,7 @@ class AgentLoop:
         return state
 
     def _search_result(self, state: _State, slot: int, docs: Any, tag: str | None,
-                       call_ms: float = 0.0) -> bool:
+                       call_ms: float = 0.0, cached: bool = False) -> bool:
         """Fill a search call's slot; True once every call of the turn has its result."""
         seconds = time.perf_counter() - state.search_started.pop(slot, time.perf_counter())
         metrics.TOOL_LATENCY.labels("search").observe(seconds)
@@ -666,7 +666,8 @@ class AgentLoop:
                 # every search call of the turn: its documents and its retrieval health
                 turn.docs = (turn.docs or []) + doc_refs(docs)
                 turn.index = turn.index or tag
-                turn.retrieval = merge(turn.retrieval, self._health(state, docs, call_ms))
+                turn.retrieval = merge(turn.retrieval,
+                                       self._health(state, docs, call_ms, cached))
             if self.evidence.enable and state.group.kind == "train":
                 # a donor for other questions' `swapped` variant: the search tool's result
                 self._donors.add(state.group.uid, state.group.ground_truth, content)
@@ -728,24 +729,28 @@ class AgentLoop:
         return True
 
     def _retrieve(self, queries: list[str]
-                  ) -> tuple[list[list[dict[str, Any]] | QueryRejected], str | None, float]:
+                  ) -> tuple[list[list[dict[str, Any]] | QueryRejected], str | None, float,
+                             list[bool]]:
         """The answers, the retrieval tag of who answered them (index identity, settings
         and top-k; services/common/retrieval_store.py), which each search turn records (None
-        from a backend that cannot tell; asked after the answers, on this worker thread), and
-        the call's wall time in ms (each of its search turns' retrieval latency)."""
+        from a backend that cannot tell; asked after the answers, on this worker thread), the
+        call's wall time in ms (each of its search turns' retrieval latency), and per query
+        whether the retrieval cache answered it without the retriever."""
         if self.retriever is None:
             raise RetrieverError("no retriever configured (rollout.use_search is on)")
         started = time.perf_counter()
         results = self.retriever.retrieve(queries)
         ms = (time.perf_counter() - started) * 1000.0
-        return results, getattr(self.retriever, "retrieval_tag", None), ms
+        hits = getattr(self.retriever, "last_hits", None)
+        if hits is None or len(hits) != len(results):
+            hits = [bool(getattr(self.retriever, "answers_from_cache", False))] * len(results)
+        return results, getattr(self.retriever, "retrieval_tag", None), ms, list(hits)
 
-    def _health(self, state: _State, docs: Any, ms: float) -> TurnRetrieval:
+    def _health(self, state: _State, docs: Any, ms: float, cached: bool) -> TurnRetrieval:
         """A search result's retrieval health (services/common/retrieval_health.py): cheap
         (one normalisation per passage), so always on."""
         if not state.golds_read:
             state.golds, state.golds_read = golds_of(state.group.ground_truth), True
-        cached = bool(getattr(self.retriever, "answers_from_cache", False))
         return turn_retrieval(docs, state.golds, ms, cached)
 
     def _apply_results(
@@ -756,7 +761,7 @@ class AgentLoop:
         lockstep: bool,
     ) -> list[_State]:
         try:
-            results, tag, call_ms = future.result()
+            results, tag, call_ms, hits = future.result()
         except RetrieverError as exc:
             log.error("retrieval failed for %d trajectories: %s", len(batch), exc)
             for state, _, _ in batch:
@@ -768,7 +773,7 @@ class AgentLoop:
                     metrics.TOOL_CALLS.labels("search", "error").inc()
             return list({id(state): state for state, _, _ in batch}.values())
         touched = []
-        for (state, _, slot), docs in zip(batch, results, strict=True):
+        for (state, _, slot), docs, cached in zip(batch, results, hits, strict=True):
             if isinstance(docs, QueryFailed):  # this trajectory only (rollout.retrieval_cache)
                 if state.finish_reason is None:
                     log.error("retrieval failed for one trajectory: %s", docs.reason)
@@ -779,7 +784,7 @@ class AgentLoop:
                 continue
             if slot is not None:  # a search tool call: fill its slot, go on once all are in
                 if state.finish_reason is None and self._search_result(state, slot, docs, tag,
-                                                                       call_ms):
+                                                                       call_ms, cached):
                     self._finish_tool_turn(state, deferred, lockstep)
                 touched.append(state)
                 continue
@@ -792,7 +797,7 @@ class AgentLoop:
                 if state.turns:  # the search turn that asked: keep what it got (samples)
                     state.turns[-1].docs = doc_refs(docs)
                     state.turns[-1].index = tag
-                    state.turns[-1].retrieval = self._health(state, docs, call_ms)
+                    state.turns[-1].retrieval = self._health(state, docs, call_ms, cached)
                 if self.evidence.enable and state.group.kind == "train":
                     # a donor for other questions' `swapped` variant (rollout/evidence.py)
                     self._donors.add(state.group.uid, state.group.ground_truth, observation)

@@ -44,3 +44,24 @@ TOOL_LATENCY = Histogram(
     "Seconds from a tool call's parse to its result (search: queueing + batched /retrieve)",
     ["tool"], buckets=(0.0001, 0.001, 0.005, 0.025, 0.1, 0.5, 1, 2.5, 10, 30),
 )
+RETRIEVAL_CACHE_QUERIES = Counter(
+    "forage_rollout_retrieval_cache_queries",
+    "Search queries by rollout.retrieval_cache mode cache: hit (answered from the store) or miss",
+    ["result"],
+)
+RETRIEVAL_CACHE_ASKED = Counter(
+    "forage_rollout_retrieval_cache_retriever_queries",
+    "Distinct missed queries the cache asked the retriever (a batch asks each once)",
+)
+RETRIEVAL_CACHE_EVICTIONS = Counter(
+    "forage_rollout_retrieval_cache_evictions",
+    "Least-recently-used rows this replica evicted to keep the store under max_bytes",
+)
+RETRIEVAL_CACHE_CONFLICTS = Counter(
+    "forage_rollout_retrieval_cache_conflicts",
+    "Live answers that differ from the stored one under the same key (the live one served)",
+)
+RETRIEVAL_CACHE_BYTES = Gauge(
+    "forage_rollout_retrieval_cache_bytes",
+    "Bytes of the rows in the shared retrieval cache store (all replicas' rows)",
+)

@@ -12,6 +12,13 @@ evaluation's searches and the other way round, and several replicas may write on
 - `replay`: every answer comes from the store; the retriever is never called. A query the store
   lacks gets a `QueryFailed`, which ends that trajectory alone with finish_reason error and the
   missing query in its `error` (services/rollout/agent.py).
+- `cache`: read-through. A query the store holds is answered from it; a batch's misses go to
+  the retriever in one call, each distinct query once, and are written, evicting the least
+  recently used rows past `max_bytes` (only this mode evicts). A live answer that differs
+  from a stored one is served as it is with one warning (a key that misses a setting), and
+  the stored one stays. Replicas and later runs share the file; other indexes' rows may
+  live in it too (the key tells them apart). Hits, misses, retriever queries, evictions and
+  the rows' bytes go to /metrics and to the log every LOG_EVERY_S.
 
 Key: a recording writes under the identity and settings the running retriever reports on
 /healthz (its search overrides and query precision, waiting up to `wait_s` for it); when the
@@ -27,12 +34,14 @@ recording of this index and settings) stops the replica at startup with one line
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from services.common.config import ConfigError
 from services.common.retrieval_store import (
     QueryFailed,
+    ReadThrough,
     Recording,
     Replay,
     Result,
@@ -46,10 +55,12 @@ from services.common.retrieval_store import (
     served_identity,
     served_key,
 )
+from services.rollout import metrics
 
 log = logging.getLogger("forage.rollout.retrieval_cache")
 
 KEY = "rollout.retrieval_cache"
+LOG_EVERY_S = 60.0  # cache mode: how often the replica logs its hit rate and bytes
 
 
 class RetrievalCacheError(ConfigError):
@@ -62,6 +73,12 @@ class CachedRetriever:
 
     def __init__(self, backend: Any, store: Store, client: Any | None, mode: str) -> None:
         self.backend, self.store, self.client, self.mode = backend, store, client, mode
+        # Per query of the last batch: answered from the store without the retriever (the
+        # agent loop reads it on its one retrieval thread, right after `retrieve`).
+        self.last_hits: list[bool] = []
+        self.hits = self.misses = self.asked = self.evictions = self.conflicts = 0
+        self.bytes: int | None = None
+        self._logged = time.monotonic()
 
     @property
     def retrieval_tag(self) -> str:
@@ -70,14 +87,65 @@ class CachedRetriever:
 
     @property
     def answers_from_cache(self) -> bool:
-        """Whether an answer comes from the store without asking the retriever (replay; a
-        recording asks it every time): the search turns' cache hits (retrieval health)."""
+        """Whether every answer comes from the store without asking the retriever (replay; a
+        recording asks it every time; cache mode says it per query in `last_hits`): the
+        search turns' cache hits (retrieval health)."""
         return self.mode == "replay"
 
     def retrieve(self, queries: Sequence[str]) -> list[Result | QueryFailed]:
-        return self.backend.retrieve(list(queries))
+        results = self.backend.retrieve(list(queries))
+        self.last_hits = ([True] * len(results) if self.mode == "replay" else
+                          list(self.backend.last.hits) if self.mode == "cache" else
+                          [False] * len(results))
+        if self.mode == "cache":
+            self._count(self.backend.last)
+        return results
+
+    def _count(self, batch: Any) -> None:
+        """A cache batch's counts: this replica's totals, /metrics, and a periodic log line;
+        a conflict is warned about once (its full message), then only counted."""
+        hits = sum(batch.hits)
+        self.hits += hits
+        self.misses += len(batch.hits) - hits
+        self.asked += batch.asked
+        self.evictions += batch.evicted
+        metrics.RETRIEVAL_CACHE_QUERIES.labels("hit").inc(hits)
+        metrics.RETRIEVAL_CACHE_QUERIES.labels("miss").inc(len(batch.hits) - hits)
+        metrics.RETRIEVAL_CACHE_ASKED.inc(batch.asked)
+        metrics.RETRIEVAL_CACHE_EVICTIONS.inc(batch.evicted)
+        if batch.bytes is not None:
+            self.bytes = batch.bytes
+            metrics.RETRIEVAL_CACHE_BYTES.set(batch.bytes)
+        for conflict in batch.conflicts:
+            self.conflicts += 1
+            metrics.RETRIEVAL_CACHE_CONFLICTS.inc()
+            if self.conflicts == 1:
+                log.warning("retrieval cache: %s; serving the live answer (further "
+                            "conflicts are only counted: forage_rollout_retrieval_cache_"
+                            "conflicts)", conflict.message(self.store.path,
+                                                           self.backend.index_id,
+                                                           self.backend.settings,
+                                                           self.backend.topk))
+        if time.monotonic() - self._logged >= LOG_EVERY_S:
+            self.log_counts()
+
+    def log_counts(self) -> None:
+        """One line: this replica's hits, misses, retriever queries, evictions, conflicts
+        and the store's rows' bytes against the bound."""
+        self._logged = time.monotonic()
+        looked = self.hits + self.misses
+        bound = self.backend.max_bytes
+        log.info("retrieval cache: %d hits, %d misses (hit rate %.1f%%), %d queries to the "
+                 "retriever (%.1f%% of %d spared), %d evicted, %d conflicts, %s of %s",
+                 self.hits, self.misses, 100.0 * self.hits / max(looked, 1), self.asked,
+                 100.0 * (1 - self.asked / max(looked, 1)) if looked else 0.0, looked,
+                 self.evictions, self.conflicts,
+                 "?" if self.bytes is None else f"{self.bytes / 2**20:.1f} MiB",
+                 f"{bound / 2**20:.0f} MiB" if bound else "unbounded")
 
     def close(self) -> None:
+        if self.mode == "cache" and self.hits + self.misses:
+            self.log_counts()
         if self.client is not None:
             self.client.close()
         self.store.close()
@@ -153,20 +221,34 @@ def open_cache(config: Any, client: Any | None) -> CachedRetriever | None:
     topk = config.retriever.topk
     named = _manifest(cache, config.retriever)
     try:
-        store = Store(cache.path, create=cache.mode == "record",
+        store = Store(cache.path, create=cache.mode in ("record", "cache"),
                       missing_hint=f"record one with {KEY}.mode: record")
     except StoreError as exc:
         raise RetrievalCacheError(f"{KEY}.path: {exc}") from None
     try:
-        if cache.mode == "record":
-            if named is not None:  # another index's store: said before the retriever is asked
+        if cache.mode in ("record", "cache"):
+            if named is not None and cache.mode == "record":
+                # another index's store: said before the retriever is asked (a cache keeps
+                # several indexes' rows apart by key)
                 check_index(store, index_identity(named[1]), "record")
             identity, settings = _record_key(cache, config.retriever)
-            check_index(store, identity, "record")
             assert client is not None
-            # A conflicting answer fails its trajectory alone; the recorded result stays.
-            backend: Any = Recording(client, store, identity, settings, topk,
-                                     fail_conflicts=True)
+            if cache.mode == "record":
+                check_index(store, identity, "record")
+                # A conflicting answer fails its trajectory alone; the recorded result stays.
+                backend: Any = Recording(client, store, identity, settings, topk,
+                                         fail_conflicts=True)
+            else:
+                store.enable_cache()
+                backend = ReadThrough(client, store, identity, settings, topk, cache.max_bytes)
+                # a bound lowered since the file was written applies at once
+                _, evicted, bytes_now = store.cache_put(identity, backend.settings, topk, [], 0,
+                                                        cache.max_bytes)
+                metrics.RETRIEVAL_CACHE_BYTES.set(bytes_now)
+                log.info("retrieval cache: %s holds %.1f MiB of rows (bound %s; %d evicted "
+                         "now)", cache.path, bytes_now / 2**20,
+                         f"{cache.max_bytes / 2**20:.0f} MiB" if cache.max_bytes else "none",
+                         evicted)
         else:
             if client is not None:
                 client.close()

@@ -23,6 +23,7 @@ from services.common.retrieval_store import (
     Store,
     StoreError,
     check_index,
+    encode,
     replay_settings,
     retrieval_tag,
     settings_key,
@@ -165,7 +166,10 @@ def test_startup_errors_name_what_is_missing(tmp_path):
     (["rollout.retrieval_cache.mode=record"], "mode record needs path"),
     (["rollout.retrieval_cache.mode=replay", "rollout.retrieval_cache.path=r.sqlite",
       "rollout.use_search=false"], "use_search is off"),
-    (["rollout.retrieval_cache.mode=always"], "'off', 'record' or 'replay'"),
+    (["rollout.retrieval_cache.mode=always"], "'off', 'record', 'replay' or 'cache'"),
+    (["rollout.retrieval_cache.mode=cache"], "mode cache needs path"),
+    (["rollout.retrieval_cache.max_bytes=-1"], "max_bytes: Input should be greater than or "
+                                               "equal to 0"),
 ])
 def test_the_option_is_validated_when_the_config_loads(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -230,3 +234,156 @@ def test_the_replica_plays_through_the_cache(engine, tmp_path):
     assert worker.loop.retriever is worker._retrieval_cache
     assert worker.loop.retriever.retrieve(["Brixol"]) == [[]]
     worker._retrieval_cache.close()
+
+
+# ---------------------------------------------------------------- mode cache (read-through)
+
+
+def asked_so_far(retriever_url: str) -> float:
+    """Queries the retriever process has answered (its forage_retriever_queries_total)."""
+    import httpx
+
+    text = httpx.get(retriever_url.replace("/retrieve", "/metrics"), timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("forage_retriever_queries_total "))
+
+
+def row_bytes(db: Path) -> tuple[int, int]:
+    """(the rows' bytes recounted from scratch, what the store's running count says)."""
+    with sqlite3.connect(db) as check:
+        counted = sum(len(str(a).encode()) + len(str(b).encode()) + len(str(q).encode())
+                      + len(str(r).encode()) + 16 for a, b, q, r in check.execute(
+                          "SELECT index_id, settings, query, result FROM results"))
+        return counted, check.execute("SELECT bytes FROM cache_usage").fetchone()[0]
+
+
+def test_cache_mode_asks_the_retriever_once_per_distinct_query(engine, retriever_url,
+                                                               tmp_path, tmp_path_factory):
+    """A GRPO group's samples searching the same words ask the retriever once; the next batch
+    of them asks nothing and its search turns are cache hits (retrieval health); a later run
+    (a new cache on the same file) hits too; /metrics counts hits and misses."""
+    from prometheus_client import REGISTRY
+
+    def counted(result: str) -> float:
+        return REGISTRY.get_sample_value("forage_rollout_retrieval_cache_queries_total",
+                                         {"result": result}) or 0.0
+
+    index = served_index(tmp_path_factory)
+    db = tmp_path / "shared" / "cache.sqlite"
+    client = RetrieverClient(retriever_url, topk=2, timeout_s=10, retries=1, backoff_s=0.01)
+    cache = open_cache(config("cache", db, index, retriever_url), client)
+    scripts = [[SEARCH.format("Brixol"), ANSWER], [SEARCH.format("Brixol"), ANSWER],
+               [SEARCH.format("Tamra"), ANSWER]]
+    before, hits0, misses0 = asked_so_far(retriever_url), counted("hit"), counted("miss")
+    first = play(engine, cache, scripts)
+    assert asked_so_far(retriever_url) - before == 2  # Brixol once, Tamra once
+    second = play(engine, cache, scripts)
+    assert asked_so_far(retriever_url) - before == 2  # nothing more
+    assert [t.turns[0].retrieval.cached for t in first + second] == [False] * 3 + [True] * 3
+    assert [t.response_ids.tolist() for t in second] == [t.response_ids.tolist() for t in first]
+    assert (cache.hits, cache.misses, cache.asked) == (3, 3, 2)
+    assert (counted("hit") - hits0, counted("miss") - misses0) == (3, 3)
+    cache.close()
+
+    later = open_cache(config("cache", db, index, retriever_url),
+                       RetrieverClient(retriever_url, topk=2, timeout_s=10))
+    got = later.retrieve(["Tamra", "Velden"])
+    assert later.last_hits == [True, False]
+    assert got[0][0]["document"]["contents"].startswith('"Tamra"')
+    assert asked_so_far(retriever_url) - before == 3  # Velden only
+    later.close()
+    counted_bytes, kept = row_bytes(db)
+    assert counted_bytes == kept > 0
+    # The cache's file is a store record and replay read as before (eviction aside).
+    replaying = open_cache(config("replay", db, index, retriever_url), None)
+    assert replaying.retrieve(["Brixol"])[0][0]["document"]["contents"].startswith('"Brixol"')
+    replaying.close()
+
+
+def test_the_bound_evicts_least_recently_used_rows(tmp_path):
+    """max_bytes bounds the rows' bytes: past it the least recently used rows go (a row read
+    is used again), and the running count equals a recount; record's put never evicts."""
+    db = tmp_path / "cache.sqlite"
+    store = Store(db, create=True)
+    store.put("flat-a", "{}", 2, [("recorded", [])])  # rows before the cache: used at 0
+    store.enable_cache()
+    store.enable_cache()  # idempotent (every replica calls it)
+    doc = [{"document": {"contents": "x" * 1000}, "score": 0.5}]
+    for t in range(1, 6):
+        store.cache_put("flat-a", "{}", 2, [(f"q{t}", doc)], used_at=t, max_bytes=0)
+    assert store.lookup("flat-a", "{}", 2, ["q1", "q1", "nope"], used_at=10) == {"q1": doc}
+    size = len("flat-a{}q1") + len(encode(doc)) + 16  # each cached row's bytes
+    _, evicted, used = store.cache_put("flat-a", "{}", 2, [("q6", doc)], used_at=11,
+                                       max_bytes=4 * size)
+    with sqlite3.connect(db) as check:
+        kept = sorted(q for (q,) in check.execute("SELECT query FROM results"))
+    assert kept == ["q1", "q4", "q5", "q6"] and evicted == 3  # recorded, q2, q3 went
+    assert row_bytes(db) == (used, used) and used <= 4 * size
+    # A differing answer is refused, never written over the stored one.
+    held, _, _ = store.cache_put("flat-a", "{}", 2, [("q6", [])], used_at=12, max_bytes=0)
+    assert held[0].held == doc
+    store.close()
+
+
+def test_a_conflict_serves_the_live_answer_and_warns_once(retriever_url, tmp_path,
+                                                          tmp_path_factory, caplog):
+    """Another replica writes another answer under the same key between this one's lookup
+    and its write (the key misses a setting): the live answer is served, one warning names
+    it, the stored row stays."""
+    index = served_index(tmp_path_factory)
+    db = tmp_path / "cache.sqlite"
+    client = RetrieverClient(retriever_url, topk=2, timeout_s=10)
+    cache = open_cache(config("cache", db, index, retriever_url), client)
+    backend = cache.backend
+    other = Store(db, create=False)
+
+    class OtherReplicaFirst:
+        def retrieve(self, queries):
+            other.put(backend.index_id, backend.settings, 2, [(q, []) for q in queries])
+            return client.retrieve(queries)
+
+    backend.inner = OtherReplicaFirst()
+    with caplog.at_level("WARNING", logger="forage.rollout.retrieval_cache"):
+        got = cache.retrieve(["Osric", "Velden"])
+    assert [r[0]["document"]["contents"][:7] for r in got] == ['"Osric"', '"Velden']
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "'Osric'" in warned[0] and "serving the live" in warned[0]
+    assert cache.conflicts == 2 and other.get(backend.index_id, backend.settings, 2,
+                                              "Osric") == []
+    other.close()
+    cache.close()
+
+
+CACHE_REPLICA = """
+import sys
+from services.common.retrieval_store import ReadThrough, Store
+from services.rollout.retrieval import RetrieverClient
+store = Store(sys.argv[1], create=True)
+store.enable_cache()
+client = RetrieverClient(sys.argv[2], topk=2, timeout_s=30)
+cache = ReadThrough(client, store, "flat-shared", {"search_params": {}}, 2, int(sys.argv[3]))
+names = ["Brixol", "Tamra", "Velden", "Osric"]
+for batch in range(40):
+    queries = [f"{names[(batch + i) % 4]} {batch % 7}" for i in range(4)]
+    for query, result in zip(queries, cache.retrieve(queries)):
+        assert result[0]["document"]["contents"].startswith('"' + query.split()[0]), query
+store.close()
+"""
+
+
+def test_two_cache_replicas_share_one_file(retriever_url, tmp_path):
+    """Two processes in cache mode on one file, with a bound small enough to evict while the
+    other writes: both answer every query right, and the rows' running byte count stays
+    exact and under the bound."""
+    db = tmp_path / "shared.sqlite"
+    bound = 4_000  # about 11 of the 28 distinct queries' rows
+    procs = [subprocess.Popen([sys.executable, "-c", CACHE_REPLICA, str(db), retriever_url,
+                               str(bound)], cwd=REPO, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+    counted_bytes, kept = row_bytes(db)
+    assert counted_bytes == kept and 0 < kept <= bound
+    with sqlite3.connect(db) as check:
+        assert 0 < check.execute("SELECT COUNT(*) FROM results").fetchone()[0] < 28  # evicted

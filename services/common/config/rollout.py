@@ -131,14 +131,18 @@ class RetrievalCache(Section):
     """`rollout.retrieval_cache` (docs/rollout.md, "Recorded retrieval"): `record` writes every
     /retrieve result the replica gets to the SQLite store at `path` (replicas may share one
     file); `replay` answers every search from it, and a query it lacks fails its trajectory
-    (finish_reason error). `index` is the index directory whose manifest names the index
-    (default: retriever.index_dir); `wait_s` bounds the wait for the retriever's /healthz when
-    recording."""
+    (finish_reason error); `cache` answers from it what it holds, asks the retriever the rest
+    and keeps the file under `max_bytes` by evicting the least recently used rows. `index` is
+    the index directory whose manifest names the index (default: retriever.index_dir);
+    `wait_s` bounds the wait for the retriever's /healthz when recording or caching."""
 
-    mode: Literal["off", "record", "replay"] = "off"  # record or replay /retrieve results
-    path: str = ""  # the SQLite store of recorded results
+    # off, record, replay, or cache (read-through, size-bounded)
+    mode: Literal["off", "record", "replay", "cache"] = "off"
+    path: str = ""  # the SQLite store of recorded results (cache: a path on a shared volume)
     index: str = ""  # index directory naming the index ("": retriever.index_dir)
-    wait_s: float = Field(default=120.0, gt=0)  # record: wait for the retriever's /healthz
+    wait_s: float = Field(default=120.0, gt=0)  # record, cache: wait for the retriever's /healthz
+    # Cache mode: bound on the stored rows' bytes, least recently used evicted past it; 0: none
+    max_bytes: int = Field(default=2**30, ge=0)
 
     @field_validator("mode", mode="before")
     @classmethod
@@ -244,7 +248,7 @@ class RolloutSection(Section):
     # Any other vLLM EngineArgs field, passed through as given (e.g. max_num_batched_tokens,
     # kv_cache_dtype); the keys above and the ones Forage sets itself cannot be overridden here.
     vllm_engine_args: dict[str, Any] = Field(default_factory=dict)
-    # Record or replay the replica's /retrieve results (RetrievalCache; off by default).
+    # Record, replay or cache the replica's /retrieve results (RetrievalCache; off by default).
     retrieval_cache: RetrievalCache = Field(default_factory=RetrievalCache)
 
     @model_validator(mode="after")
