@@ -63,6 +63,18 @@ KEY = "rollout.retrieval_cache"
 LOG_EVERY_S = 60.0  # cache mode: how often the replica logs its hit rate and bytes
 
 
+def _size(count: int | None) -> str:
+    """Bytes for a log line: `12.3 KiB`, `1.0 GiB` (`?` when not known yet)."""
+    if count is None:
+        return "?"
+    value, unit = float(count), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
 class RetrievalCacheError(ConfigError):
     """The cache cannot start (no index named, another index's store, a retriever serving
     another index): one line, exit code 2."""
@@ -139,9 +151,8 @@ class CachedRetriever:
                  "retriever (%.1f%% of %d spared), %d evicted, %d conflicts, %s of %s",
                  self.hits, self.misses, 100.0 * self.hits / max(looked, 1), self.asked,
                  100.0 * (1 - self.asked / max(looked, 1)) if looked else 0.0, looked,
-                 self.evictions, self.conflicts,
-                 "?" if self.bytes is None else f"{self.bytes / 2**20:.1f} MiB",
-                 f"{bound / 2**20:.0f} MiB" if bound else "unbounded")
+                 self.evictions, self.conflicts, _size(self.bytes),
+                 _size(bound) if bound else "unbounded")
 
     def close(self) -> None:
         if self.mode == "cache" and self.hits + self.misses:
@@ -245,10 +256,10 @@ def open_cache(config: Any, client: Any | None) -> CachedRetriever | None:
                 _, evicted, bytes_now = store.cache_put(identity, backend.settings, topk, [], 0,
                                                         cache.max_bytes)
                 metrics.RETRIEVAL_CACHE_BYTES.set(bytes_now)
-                log.info("retrieval cache: %s holds %.1f MiB of rows (bound %s; %d evicted "
-                         "now)", cache.path, bytes_now / 2**20,
-                         f"{cache.max_bytes / 2**20:.0f} MiB" if cache.max_bytes else "none",
-                         evicted)
+                metrics.RETRIEVAL_CACHE_EVICTIONS.inc(evicted)
+                log.info("retrieval cache: %s holds %s of rows (bound %s; %d evicted now)",
+                         cache.path, _size(bytes_now),
+                         _size(cache.max_bytes) if cache.max_bytes else "none", evicted)
         else:
             if client is not None:
                 client.close()
@@ -262,4 +273,7 @@ def open_cache(config: Any, client: Any | None) -> CachedRetriever | None:
         raise RetrievalCacheError(str(exc)) from None
     log.info("retrieval cache: %s %s (index %s, top-k %d)", cache.mode, cache.path, identity,
              topk)
-    return CachedRetriever(backend, store, client, cache.mode)
+    cached = CachedRetriever(backend, store, client, cache.mode)
+    if cache.mode == "cache":
+        cached.evictions, cached.bytes = evicted, bytes_now
+    return cached

@@ -298,6 +298,12 @@ def test_cache_mode_asks_the_retriever_once_per_distinct_query(engine, retriever
     replaying = open_cache(config("replay", db, index, retriever_url), None)
     assert replaying.retrieve(["Brixol"])[0][0]["document"]["contents"].startswith('"Brixol"')
     replaying.close()
+    # A bound lowered since applies when a replica opens the file (a row is far over 1 byte).
+    lowered = open_cache(config("cache", db, index, retriever_url,
+                                "rollout.retrieval_cache.max_bytes=1"),
+                         RetrieverClient(retriever_url, topk=2))
+    assert (lowered.evictions, lowered.bytes) == (3, 0)
+    lowered.close()
 
 
 def test_the_bound_evicts_least_recently_used_rows(tmp_path):
