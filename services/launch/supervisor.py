@@ -156,9 +156,11 @@ class Supervisor:
             if child.process.poll() is not None:
                 raise ServiceFailed(self._exit_message(name))
             if url is None:
+                self._record("healthy", name)
                 return
             try:
                 if self._probe(child.spec, url):
+                    self._record("healthy", name)
                     return
                 cut_off = 0
             except (http.client.RemoteDisconnected, ConnectionResetError) as exc:

@@ -183,15 +183,16 @@ def run_up(
     try:
         specs = service_specs(resolved, config_path, ports)
         held = listen_ports(resolved, ports)
-        first = {"retriever", "learner"}  # the others need them up before they start
+        # Every child starts at once: none needs another up to start (a replica waits for the
+        # learner's first weights itself, weight_wait_s; the learner issues the prompts), and
+        # their start-ups (imports, model loads, the learner's op build) overlap instead of
+        # adding up. Health is then awaited in start order, so a child that cannot start is
+        # named first when several fail.
         for spec in specs:
             allocator.release(*held.get(spec.name, []))  # its ports, unbound just for it
             supervisor.start(spec)
-            if spec.name in first:
-                supervisor.wait_healthy(spec.name, timeout_s=300)
         for spec in specs:
-            if spec.name not in first:
-                supervisor.wait_healthy(spec.name, timeout_s=300)
+            supervisor.wait_healthy(spec.name, timeout_s=300)
         log.info("all services up: %s", ", ".join(s.name for s in specs))
         if on_start is not None:
             on_start(supervisor)

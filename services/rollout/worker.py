@@ -52,6 +52,9 @@ FEED_INTERVAL_S = 0.05
 # (1 s by default) left those slots idle and the groups in play a version older (more of them
 # dropped as stale): with 16 replicas it cost about a quarter of the throughput (bench/scale.py).
 HELD_POLL_S = 0.1
+# While a replica waits for the learner's first weights (the learner may still be starting), a
+# failed poll is logged this often, at INFO, instead of a warning a second.
+WAIT_LOG_S = 30.0
 
 
 def replica_name(configured: str) -> str:
@@ -149,6 +152,8 @@ class RolloutWorker:
         self._in_hand = 0  # groups taken and not yet published or dead-lettered
         self._published = 0  # groups published since the start (for the log line)
         self._last_read = 0.0
+        self._waiting_since: float | None = None  # set while waiting for the first weights
+        self._next_wait_log = 0.0
         self._plays = plays(config)
 
     # ------------------------------------------------------------------ lifecycle
@@ -438,18 +443,27 @@ class RolloutWorker:
         return plan
 
     def _wait_for_first_weights(self) -> None:
+        """Block until the learner's first published weights are loaded. The learner may still
+        be starting (`forage up` starts every service at once): until the deadline a failed
+        poll is the expected state, logged once and then every WAIT_LOG_S, not as a warning."""
+        learner = self.config.learner
+        log.info("waiting for the learner's first weights at %s:%d",
+                 learner.weight_sync_host, learner.weight_sync_port)
         deadline = time.monotonic() + self.config.rollout.weight_wait_s
-        while not self.stopping:
-            if self._poll_weights(force=True, first=True):
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"no weights from the learner at {self.config.learner.weight_sync_host}:"
-                    f"{self.config.learner.weight_sync_port} after "
-                    f"{self.config.rollout.weight_wait_s}s"
-                )
-            self._heartbeat()
-            time.sleep(min(1.0, self.config.rollout.weight_poll_s))
+        self._waiting_since = time.monotonic()
+        try:
+            while not self.stopping:
+                if self._poll_weights(force=True, first=True):
+                    return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"no weights from the learner at {learner.weight_sync_host}:"
+                        f"{learner.weight_sync_port} after {self.config.rollout.weight_wait_s}s"
+                    )
+                self._heartbeat()
+                time.sleep(min(1.0, self.config.rollout.weight_poll_s))
+        finally:
+            self._waiting_since = None
 
     def _wait_for_version(self, version: int) -> None:
         deadline = time.monotonic() + self.config.rollout.weight_wait_s
@@ -492,8 +506,13 @@ class RolloutWorker:
                 self._load(version, tensors, meta)
         except (WeightSyncError, ValueError) as exc:
             metrics.WEIGHT_SYNC_FAILURES.inc()
-            log.warning("weight sync failed, keeping version %d: %s",
-                        self.engine.policy_version, exc)
+            if self._waiting_since is None:
+                log.warning("weight sync failed, keeping version %d: %s",
+                            self.engine.policy_version, exc)
+            elif time.monotonic() >= self._next_wait_log:
+                waited = time.monotonic() - self._waiting_since
+                log.info("no weights from the learner yet (%.0fs): %s", waited, exc)
+                self._next_wait_log = time.monotonic() + WAIT_LOG_S
             return False
         metrics.WEIGHT_SYNC_SECONDS.observe(time.perf_counter() - started)
         metrics.POLICY_VERSION.set(version)

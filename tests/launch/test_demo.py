@@ -63,6 +63,9 @@ def test_quick_demo_runs_every_service_and_writes_a_report(quick_demo, redis_url
     events = json.loads((out / "services.json").read_text())["events"]
     assert {e["service"] for e in events if e["event"] == "start"} == {
         "retriever", "learner", "scorer", "rollout-0"}
+    # every service started before any was healthy: their start-ups overlap
+    kinds = [e["event"] for e in events]
+    assert kinds.index("healthy") > max(i for i, k in enumerate(kinds) if k == "start"), events
     # trajectories flowed through every stream of the run's namespace
     info = json.loads((out / "demo.json").read_text())
     client = redis.Redis.from_url(yaml.safe_load((out / "config.yaml").read_text())

@@ -47,3 +47,48 @@ def test_held_groups_fetch_their_version_between_steps(engine, tiny_policy_dir):
     finally:
         worker.loop.close()
         server.stop()
+
+
+def test_a_replica_started_before_the_learner_waits_quietly(engine, tiny_policy_dir, caplog):
+    """`forage up` starts every service at once, so a replica may ask for its first weights
+    before the learner listens: it keeps asking, says so once at INFO (not a warning a second),
+    and loads the weights when they come."""
+    import logging
+    import threading
+
+    from transformers import AutoModelForCausalLM
+
+    from services.common.ports import free_port
+    from services.common.weight_sync.server import WeightSyncServer
+    from services.rollout.worker import RolloutWorker
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_policy_dir), dtype=torch.float32)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    port = free_port()
+    config = load_config(None, [
+        f"model.path={tiny_policy_dir}", "rollout.use_search=false", "rollout.weight_sync=true",
+        "rollout.weight_relay=off", "rollout.weight_poll_s=0.2", "rollout.weight_wait_s=60",
+        "learner.weight_sync_host=127.0.0.1", f"learner.weight_sync_port={port}"])
+    worker = RolloutWorker(config, engine=engine)
+    servers: list[WeightSyncServer] = []
+
+    def learner_comes_up() -> None:
+        time.sleep(2.0)
+        servers.append(WeightSyncServer(port=port).start())
+        servers[0].publish(weights, version=1)
+
+    late = threading.Thread(target=learner_comes_up)
+    late.start()
+    try:
+        with caplog.at_level(logging.INFO, logger="forage"):
+            worker._wait_for_first_weights()
+        assert engine.policy_version == 1
+        ours = [r for r in caplog.records if r.name.startswith("forage.rollout")]
+        assert not [r for r in ours if r.levelno >= logging.WARNING], ours
+        assert sum("no weights from the learner yet" in r.getMessage() for r in ours) == 1
+        assert worker._waiting_since is None  # later failures are warnings again
+    finally:
+        late.join()
+        worker.loop.close()
+        for server in servers:
+            server.stop()
