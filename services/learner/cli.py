@@ -25,6 +25,10 @@ def register(parser: argparse.ArgumentParser) -> None:
 
     register_train(sub)
 
+    ops = sub.add_parser("build-ops", help="build DeepSpeed's CPU ops now (a learner on CPU "
+                         "otherwise builds them at its first start, 1-2 minutes on 2 cores)")
+    ops.set_defaults(handler=_build_ops)
+
 
 def register_train(sub: argparse._SubParsersAction) -> None:
     train = sub.add_parser("train", help="the RL stream loop (rank 0 serves weights)")
@@ -56,6 +60,17 @@ def _sft(args: argparse.Namespace) -> int:
     out = args.out or f"{cfg.run_dir}/sft"
     return _ranks_lost_is_temporary("sft", lambda: run_sft(cfg, args.data, out,
                                                           resume=args.resume))
+
+
+def _build_ops(args: argparse.Namespace) -> int:
+    from services.common.logs import setup_logging
+    from services.learner.op_build_watch import build_cpu_ops
+
+    setup_logging("learner", "build-ops", "INFO")
+    print("building DeepSpeed's CPU ops (1-2 minutes on a small CPU the first time)", flush=True)
+    for name, seconds in build_cpu_ops():
+        print(f"{name}: ready in {seconds:.1f}s")
+    return 0
 
 
 def _ranks_lost_is_temporary(command: str, run: Callable[[], int]) -> int:
