@@ -7,6 +7,8 @@ import uuid
 
 import pytest
 
+from services.common.threads import SHARE_VAR, apply_thread_policy
+
 # The suite's rules (tests/suite_rules.py): a skip for what the install provides fails under CI,
 # and a time budget per test. Its hooks take effect by being names of this conftest; tests take
 # its helpers (import_or_skip, require_tool, missing_tool, MISSING_PACKAGE...) from there.
@@ -43,6 +45,22 @@ def _no_leaked_rank_env():
 
 def pytest_configure(config) -> None:
     _suite_rules_configure(config)
+    _share_the_cores(config)
+
+
+def _share_the_cores(config) -> None:
+    """The test process follows the thread policy every `forage` process follows
+    (services/common/threads.py), as one of the xdist workers sharing the cores. Without it each
+    worker's torch took every core with libgomp's spinning waits, so two workers training at
+    once took turns spinning at each barrier. Runs before any test module imports torch or
+    faiss; the commands tests start inherit the share. The xdist controller runs no test and
+    sets nothing (its workers would inherit it); a FORAGE_CPU_SHARE or OMP_NUM_THREADS of the
+    user's wins."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")  # set in each worker before this
+    if workers is None and getattr(config.option, "numprocesses", None):
+        return  # the controller of a parallel run
+    os.environ.setdefault(SHARE_VAR, workers or "1")
+    apply_thread_policy()
 
 
 @pytest.hookimpl(trylast=True)  # after xdist's own, which registers its controller ("dsession")
