@@ -33,6 +33,8 @@ def test_cpu_image_builds_offline_and_runs_with_redis_by_name(forage_cpu_image):
             "--ground-truth '{\"target\": [\"paris\"]}'; "
             "python -c \"import redis; print('redis-by-name', redis.Redis(host='redis', "
             "socket_timeout=10).ping())\"; "
+            "python -c \"from services.learner.op_build_watch import use_own_extensions_dir as u;"
+            " print('op-folder', u())\"; "
             "forage doctor --json >/tmp/doctor.json || true; "
             "echo doctor-begin; cat /tmp/doctor.json; echo; echo doctor-end"
         )
@@ -44,6 +46,12 @@ def test_cpu_image_builds_offline_and_runs_with_redis_by_name(forage_cpu_image):
         assert "1000" in lines and "data-writable" in lines, text
         assert any(line.startswith('{"score": 1.0') for line in lines), text
         assert "redis-by-name True" in lines, text
+        # DeepSpeed's CPU op was built in the image, where a learner run as this user loads it
+        # (the image build ran `forage learner build-ops` as user 1000)
+        folder = next(line.split(" ", 1)[1] for line in lines if line.startswith("op-folder "))
+        built = engine.docker("run", "--rm", "--entrypoint", "sh", "forage:cpu", "-c",
+                              f"ls {folder}/deepspeed_shm_comm/deepspeed_shm_comm.so")
+        assert built.stdout.strip().endswith("deepspeed_shm_comm.so"), built.stdout
         doctor = json.loads(text.split("doctor-begin", 1)[1].split("doctor-end", 1)[0])
         assert doctor["ok"] and doctor["errors"] == 0, doctor["findings"]
         assert doctor["versions"]["vllm"] == "0.32.0", doctor["versions"]
