@@ -28,11 +28,14 @@ def build_deepspeed_ops() -> list[str]:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    from services.learner.op_build_watch import in_own_extensions_dir
+
     built = []
     if get_accelerator().device_name() == "cpu":
         builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
         if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-            builder.load(verbose=False)
+            with in_own_extensions_dir():  # where the learner part loads it from
+                builder.load(verbose=False)
             built.append(builder.absolute_name())
     return built
 

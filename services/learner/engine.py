@@ -43,7 +43,7 @@ import torch
 
 from services.common.config.learner import LearnerSection
 from services.learner import distributed as D
-from services.learner.op_build_watch import use_own_extensions_dir, watch_build_locks
+from services.learner.op_build_watch import in_own_extensions_dir, watch_build_locks
 
 log = logging.getLogger("forage.learner.engine")
 
@@ -222,8 +222,7 @@ class TrainEngine:
         self.export_groups = 0  # gathers done by the last full_state_dict (ZeRO-3)
         params = [p for p in model.parameters() if p.requires_grad]
         # DeepSpeed may JIT-build C++ ops (cpu_adam, shm_comm) here, behind lock files.
-        use_own_extensions_dir()
-        with watch_build_locks():
+        with in_own_extensions_dir(), watch_build_locks():
             if cfg.optimizer == "cpu_adam":
                 from deepspeed.ops.adam import DeepSpeedCPUAdam
 

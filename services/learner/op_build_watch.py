@@ -15,7 +15,9 @@ a machine shut down) leaves one behind whose op is fully built. A lock counts as
 when it is older than `STALE_AFTER_S` (no real step between taking the lock and starting the
 compiler takes that long) and no process on the machine works in its folder (ninja and the
 compiler run there for the whole build). When some process's folder cannot be read (not root),
-the lock is kept and only reported.
+the lock is kept and only reported. Left locks are looked for every `POLL_S` while a learner
+waits, so one costs it about STALE_AFTER_S, not the next report's time (with 60 s and checks
+only at the reports, learners in the test suite waited 80-120 s behind such locks).
 """
 
 from __future__ import annotations
@@ -33,29 +35,46 @@ log = logging.getLogger("forage.learner")
 
 FIRST_WARNING_S = 20.0
 REPEAT_S = 60.0
-STALE_AFTER_S = 60.0
+STALE_AFTER_S = 20.0
+POLL_S = 2.0
 PROC = Path("/proc")
 
 
-def use_own_extensions_dir() -> Path:
-    """Point TORCH_EXTENSIONS_DIR, unless the user set it, at a folder of this install's own.
+def own_extensions_dir() -> Path:
+    """The folder this install's ops are built in: TORCH_EXTENSIONS_DIR when the user set it,
+    else <torch's default root>/forage-<key>, the key a hash of where torch and DeepSpeed are
+    installed as this process sees them.
 
-    Why: torch keys an op's build folder by the op's name only, while the build's flags hold the
-    paths of the torch and DeepSpeed packages as this process sees them. Two checkouts' venvs
-    on one machine (or one venv reached through a symlink) wrote one folder with different
-    flags, so each learner start rebuilt the op the other had just built (1-2 minutes on 2
-    cores each time; measured: five rebuilds in 25 minutes). A folder per package location
-    builds once per install. Call before DeepSpeed loads an op."""
-    if not os.environ.get("TORCH_EXTENSIONS_DIR"):
-        import hashlib
+    Why: torch keys an op's build folder by the op's name only, while the build's flags hold
+    those paths. Two checkouts' venvs on one machine (or one venv reached through a symlink)
+    wrote one folder with different flags, so each learner start rebuilt the op the other had
+    just built (1-2 minutes on 2 cores each time; measured: five rebuilds in 25 minutes)."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    import hashlib
 
-        import deepspeed
-        import torch
+    import deepspeed
+    import torch
 
-        where = f"{Path(torch.__file__).parent}\n{Path(deepspeed.__file__).parent}"
-        key = hashlib.sha256(where.encode()).hexdigest()[:12]
-        os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_root() / f"forage-{key}")
-    return extensions_root()
+    where = f"{Path(torch.__file__).parent}\n{Path(deepspeed.__file__).parent}"
+    return extensions_root() / f"forage-{hashlib.sha256(where.encode()).hexdigest()[:12]}"
+
+
+@contextmanager
+def in_own_extensions_dir() -> Iterator[Path]:
+    """TORCH_EXTENSIONS_DIR set to `own_extensions_dir()` while DeepSpeed loads its ops, and
+    put back after: left in os.environ it would reach every child process, whose own paths
+    (and so its build flags) may differ, and the folders would be shared again."""
+    folder = own_extensions_dir()
+    before = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
+    try:
+        yield folder
+    finally:
+        if before is None:
+            os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+        else:
+            os.environ["TORCH_EXTENSIONS_DIR"] = before
 
 
 def extensions_root() -> Path:
@@ -158,12 +177,13 @@ def watch_build_locks(after_s: float | None = None,
     clear_stale_locks(root)
 
     def watch() -> None:
-        wait = after_s
-        while not done.wait(wait):
+        report_at = time.monotonic() + after_s
+        while not done.wait(min(POLL_S, after_s)):
             clear_stale_locks(root)
-            for lock, age in held_locks(root):
-                log.warning(lock_message(lock, age))
-            wait = every_s
+            if time.monotonic() >= report_at:
+                for lock, age in held_locks(root):
+                    log.warning(lock_message(lock, age))
+                report_at = time.monotonic() + every_s
 
     thread = threading.Thread(target=watch, name="op-build-watch", daemon=True)
     thread.start()
@@ -183,16 +203,16 @@ def build_cpu_ops() -> list[tuple[str, float]]:
     path (a symlink) builds its own copy."""
     from deepspeed.accelerator import get_accelerator
 
-    root = use_own_extensions_dir()
-    if root.is_dir():
-        clear_stale_locks(root)
     done = []
-    for class_name in ("ShareMemCommBuilder",):  # deepspeed.comm's CPU collective
-        builder = get_accelerator().create_op_builder(class_name)
-        if builder is None or not builder.is_compatible(verbose=False):
-            continue
-        started = time.monotonic()
-        builder.load(verbose=False)
-        done.append((builder.NAME, time.monotonic() - started))
+    with in_own_extensions_dir() as root:
+        if root.is_dir():
+            clear_stale_locks(root)
+        for class_name in ("ShareMemCommBuilder",):  # deepspeed.comm's CPU collective
+            builder = get_accelerator().create_op_builder(class_name)
+            if builder is None or not builder.is_compatible(verbose=False):
+                continue
+            started = time.monotonic()
+            builder.load(verbose=False)
+            done.append((builder.NAME, time.monotonic() - started))
     return done
 

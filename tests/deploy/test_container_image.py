@@ -33,8 +33,8 @@ def test_cpu_image_builds_offline_and_runs_with_redis_by_name(forage_cpu_image):
             "--ground-truth '{\"target\": [\"paris\"]}'; "
             "python -c \"import redis; print('redis-by-name', redis.Redis(host='redis', "
             "socket_timeout=10).ping())\"; "
-            "python -c \"from services.learner.op_build_watch import use_own_extensions_dir as u;"
-            " print('op-folder', u())\"; "
+            "python -c \"from services.learner.op_build_watch import own_extensions_dir as o;"
+            " print('op-folder', o())\"; "
             "forage doctor --json >/tmp/doctor.json || true; "
             "echo doctor-begin; cat /tmp/doctor.json; echo; echo doctor-end"
         )

@@ -250,8 +250,14 @@ def rehearsal_argv(argv: list[str]) -> list[str]:
 
 
 def base_env(image_env: dict[str, str], home: Path) -> dict[str, str]:
+    """The image's environment in a fresh home. The image builds DeepSpeed's CPU op for its
+    user (`forage learner build-ops`; tests/deploy/test_container_image.py checks it), so the
+    rehearsed learner finds it built too: here, in this venv's own folder."""
+    from services.learner.op_build_watch import own_extensions_dir
+
     return {**image_env, "PATH": f"{BIN}:/usr/local/bin:/usr/bin:/bin", "HOME": str(home),
-            "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "TMPDIR": str(home)}
+            "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "TMPDIR": str(home),
+            "TORCH_EXTENSIONS_DIR": str(own_extensions_dir())}
 
 
 # ---------------------------------------------------------------- running

@@ -108,21 +108,22 @@ def test_the_learner_set_up_clears_a_left_lock_before_and_while_it_waits(tmp_pat
 def test_each_install_builds_its_ops_in_a_folder_of_its_own(tmp_path, monkeypatch) -> None:
     """The op build's flags hold the packages' paths as a process sees them, so a venv reached
     through another path (a second checkout, a symlink) must not share the build folder: the
-    two rebuilt the op in turn at every learner start. A user's TORCH_EXTENSIONS_DIR is kept."""
+    two rebuilt the op in turn at every learner start. The folder is set only while the ops
+    load (a child with other paths must not inherit it); a user's TORCH_EXTENSIONS_DIR is kept."""
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
-    ours = W.use_own_extensions_dir()
-    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(ours)
-    assert ours.name.startswith("forage-") and W.use_own_extensions_dir() == ours
-    venv = Path(sys.prefix)
-    (tmp_path / "venv").symlink_to(venv)  # the same packages under another path
-    code = "from services.learner.op_build_watch import use_own_extensions_dir as u; print(u())"
-    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    ours = W.own_extensions_dir()
+    assert ours.name.startswith("forage-") and ours.parent == W.extensions_root()
+    with W.in_own_extensions_dir() as folder:
+        assert folder == ours and os.environ["TORCH_EXTENSIONS_DIR"] == str(ours)
+    assert "TORCH_EXTENSIONS_DIR" not in os.environ
+    (tmp_path / "venv").symlink_to(Path(sys.prefix))  # the same packages under another path
+    code = "from services.learner.op_build_watch import own_extensions_dir as o; print(o())"
     other = subprocess.run([str(tmp_path / "venv" / "bin" / "python"), "-c", code],
-                           env=dict(env, PYTHONPATH=str(REPO)), capture_output=True, text=True,
-                           timeout=120, check=True).stdout.strip().splitlines()[-1]
+                           env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True,
+                           text=True, timeout=120, check=True).stdout.strip().splitlines()[-1]
     assert Path(other).parent == ours.parent and Path(other) != ours
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))
-    assert W.use_own_extensions_dir() == tmp_path / "mine"
+    assert W.own_extensions_dir() == tmp_path / "mine"
 
 
 def test_build_ops_readies_the_op_a_learner_loads(monkeypatch) -> None:
@@ -134,5 +135,5 @@ def test_build_ops_readies_the_op_a_learner_loads(monkeypatch) -> None:
                           capture_output=True, text=True, timeout=600, env=dict(os.environ))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "deepspeed_shm_comm: ready in" in done.stdout
-    built = W.use_own_extensions_dir() / "deepspeed_shm_comm" / "deepspeed_shm_comm.so"
+    built = W.own_extensions_dir() / "deepspeed_shm_comm" / "deepspeed_shm_comm.so"
     assert built.is_file()
