@@ -66,15 +66,31 @@ def in_own_extensions_dir() -> Iterator[Path]:
     put back after: left in os.environ it would reach every child process, whose own paths
     (and so its build flags) may differ, and the folders would be shared again."""
     folder = own_extensions_dir()
-    before = os.environ.get("TORCH_EXTENSIONS_DIR")
+    before = {name: os.environ.get(name) for name in ("TORCH_EXTENSIONS_DIR", "PATH")}
     os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
+    os.environ["PATH"] = ninja_first_path(os.environ.get("PATH", ""))
     try:
         yield folder
     finally:
-        if before is None:
-            os.environ.pop("TORCH_EXTENSIONS_DIR", None)
-        else:
-            os.environ["TORCH_EXTENSIONS_DIR"] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def ninja_first_path(path: str) -> str:
+    """PATH with this Python's scripts folder first when it holds `ninja` (the pip package
+    DeepSpeed installs), so every process of an install builds with the same ninja. torch runs
+    whichever `ninja` PATH finds, and ninja 1.12+ hashes command lines differently from 1.11
+    in .ninja_log: with Debian's 1.11 on some processes' PATH and the venv's 1.13 on others',
+    each found the other's build "changed" and compiled the op again (14 times in one run of
+    the test suite, 50-105 s each)."""
+    scripts = Path(sys.executable).parent
+    if not (scripts / "ninja").is_file():
+        return path
+    rest = [entry for entry in path.split(os.pathsep) if entry and Path(entry) != scripts]
+    return os.pathsep.join([str(scripts), *rest])
 
 
 def extensions_root() -> Path:

@@ -4,6 +4,7 @@ a lock left by a killed build used to hang the learner with nothing in its log."
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -113,9 +114,13 @@ def test_each_install_builds_its_ops_in_a_folder_of_its_own(tmp_path, monkeypatc
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     ours = W.own_extensions_dir()
     assert ours.name.startswith("forage-") and ours.parent == W.extensions_root()
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # where Debian's ninja 1.11 may be found first
     with W.in_own_extensions_dir() as folder:
         assert folder == ours and os.environ["TORCH_EXTENSIONS_DIR"] == str(ours)
-    assert "TORCH_EXTENSIONS_DIR" not in os.environ
+        # the install's own ninja builds, whatever PATH says (ninja 1.11 and 1.13 each took
+        # the other's build for a changed one and compiled again)
+        assert shutil.which("ninja") == str(Path(sys.executable).parent / "ninja")
+    assert "TORCH_EXTENSIONS_DIR" not in os.environ and os.environ["PATH"] == "/usr/bin:/bin"
     (tmp_path / "venv").symlink_to(Path(sys.prefix))  # the same packages under another path
     code = "from services.learner.op_build_watch import own_extensions_dir as o; print(o())"
     other = subprocess.run([str(tmp_path / "venv" / "bin" / "python"), "-c", code],
