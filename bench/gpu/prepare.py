@@ -24,20 +24,15 @@ from common import PartReport, part_main, say  # noqa: E402
 
 
 def build_deepspeed_ops() -> list[str]:
-    """The ops DeepSpeed would JIT-build at engine set-up on this accelerator; names built."""
-    import deepspeed
+    """The ops DeepSpeed would JIT-build at engine set-up on this accelerator, built where the
+    learner part loads them (`forage learner build-ops`' own step); names built."""
     from deepspeed.accelerator import get_accelerator
 
-    from services.learner.op_build_watch import in_own_extensions_dir
+    from services.learner.op_build_watch import build_cpu_ops
 
-    built = []
-    if get_accelerator().device_name() == "cpu":
-        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-        if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-            with in_own_extensions_dir():  # where the learner part loads it from
-                builder.load(verbose=False)
-            built.append(builder.absolute_name())
-    return built
+    if get_accelerator().device_name() != "cpu":
+        return []
+    return [builder.absolute_name() for builder, _ in build_cpu_ops()]
 
 
 def measure(args: argparse.Namespace, report: PartReport) -> None:

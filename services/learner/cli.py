@@ -68,8 +68,8 @@ def _build_ops(args: argparse.Namespace) -> int:
 
     setup_logging("learner", "build-ops", "INFO")
     print("building DeepSpeed's CPU ops (1-2 minutes on a small CPU the first time)", flush=True)
-    for name, seconds in build_cpu_ops():
-        print(f"{name}: ready in {seconds:.1f}s")
+    for builder, seconds in build_cpu_ops():
+        print(f"{builder.NAME}: ready in {seconds:.1f}s")
     return 0
 
 

@@ -30,6 +30,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("forage.learner")
 
@@ -210,13 +211,15 @@ def watch_build_locks(after_s: float | None = None,
         thread.join(timeout=1.0)
 
 
-def build_cpu_ops() -> list[tuple[str, float]]:
+def build_cpu_ops() -> list[tuple[Any, float]]:
     """Build (or find built) the C++ ops a learner on CPU JIT-loads, with the flags DeepSpeed
     uses at a learner's start, so that start finds them ready: `make install` and the CPU image
-    run this once instead of every first learner paying 1-2 minutes. Returns (op, seconds) for
-    each; an op DeepSpeed deems incompatible here is skipped, as DeepSpeed itself skips it. The
-    build is keyed by its flags, which hold the venv's path: a venv reached through another
-    path (a symlink) builds its own copy."""
+    run this once instead of every first learner paying 1-2 minutes. Returns (builder,
+    seconds) for each; an op DeepSpeed deems incompatible here is skipped, as DeepSpeed itself
+    skips it (deepspeed.comm's build_shm_op reads the same table). The build is keyed by its
+    flags, which hold the venv's path: a venv reached through another path (a symlink) builds
+    its own copy."""
+    import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     done = []
@@ -225,10 +228,9 @@ def build_cpu_ops() -> list[tuple[str, float]]:
             clear_stale_locks(root)
         for class_name in ("ShareMemCommBuilder",):  # deepspeed.comm's CPU collective
             builder = get_accelerator().create_op_builder(class_name)
-            if builder is None or not builder.is_compatible(verbose=False):
+            if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
                 continue
             started = time.monotonic()
             builder.load(verbose=False)
-            done.append((builder.NAME, time.monotonic() - started))
+            done.append((builder, time.monotonic() - started))
     return done
-
