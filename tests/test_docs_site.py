@@ -107,15 +107,19 @@ def free_port() -> int:
 
 
 def search_until_results(page, query: str, timeout_error: type, deadline_s: float = 120) -> None:
-    """Type `query` into the site's search box until results are listed, as a reader retypes.
+    """Type `query` into the site's search box key by key until results are listed.
 
-    The search index is built in a web worker after the page loads; a query typed before the
-    index is ready is dropped and not re-run when it is (seen here: the box reads "Type to start
-    searching" seconds before queries answer, and longer under load)."""
+    Keystrokes, not `page.fill`: the theme reads the box on keyup, on focus and when its search
+    worker becomes ready, never on the `input` event that `fill` sends. A filled box was read
+    only if the worker happened to turn ready after the fill; under load it turned ready first,
+    the box was read empty on focus, and no retyping by `fill` was ever read (seen here: 120 s
+    of "Type to start searching"). Retyping stays for a worker that is still building the
+    index when the last key is up."""
     deadline = time.monotonic() + deadline_s
+    box = page.locator("input.md-search__input")
     while True:
-        page.fill("input.md-search__input", "")
-        page.fill("input.md-search__input", query)
+        box.fill("")
+        box.press_sequentially(query)
         try:
             page.wait_for_selector(".md-search-result__item", timeout=5_000)
             return
