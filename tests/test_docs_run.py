@@ -167,7 +167,7 @@ def test_every_documented_forage_command_exists() -> None:
 def _script(doc: Path, runnable: list[Block], scratch: Path) -> str:
     lines = ["set -eo pipefail"]
     for index, block in enumerate(runnable):
-        lines.append(f"echo '>>> {block.where} ({block.info})'")
+        lines.append(f"echo \"[$(date +%T)] >>> {block.where} ({block.info})\"")
         if block.info == "python":
             path = scratch / f"{doc.stem}_{index}.py"
             path.write_text(block.body)
