@@ -113,8 +113,8 @@ def search_until_results(page, query: str, timeout_error: type, deadline_s: floa
     worker becomes ready, never on the `input` event that `fill` sends. A filled box was read
     only if the worker happened to turn ready after the fill; under load it turned ready first,
     the box was read empty on focus, and no retyping by `fill` was ever read (seen here: 120 s
-    of "Type to start searching"). Retyping stays for a worker that is still building the
-    index when the last key is up."""
+    of "Type to start searching"). The theme also re-reads the box when its worker turns
+    ready, so one pass should do; retyping stays as a guard, not as the mechanism."""
     deadline = time.monotonic() + deadline_s
     box = page.locator("input.md-search__input")
     while True:
