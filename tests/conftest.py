@@ -46,6 +46,7 @@ def _no_leaked_rank_env():
 def pytest_configure(config) -> None:
     _suite_rules_configure(config)
     _share_the_cores(config)
+    parallel.keep_file_order(config)
 
 
 def _share_the_cores(config) -> None:
@@ -71,11 +72,13 @@ def pytest_sessionstart(session) -> None:
 
 
 @pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(trylast=True)  # after tests/deploy's, which moves the container tests last
 def pytest_collection_modifyitems(session, config, items) -> None:
-    """In a parallel run, the longest files first (tests/parallel.py); tests/deploy's own hook
-    then moves the container tests last."""
+    """In a parallel run, the longest files first, the container tests as late as balance
+    allows (tests/parallel.py); in a serial run tests/deploy's own hook has put them last."""
     if parallel.is_worker(config):
-        parallel.heaviest_first(items, parallel.load_file_seconds())
+        late = {parallel.file_of(item) for item in items if parallel.needs_image(item)}
+        parallel.heaviest_first(items, parallel.load_file_seconds(), late)
 
 
 @pytest.fixture(scope="session")

@@ -30,6 +30,49 @@ def test_heaviest_files_first_keeping_each_files_order() -> None:
         "tests/a.py::t2", "tests/d.py::t1"]
 
 
+def test_late_files_go_before_a_stretch_of_other_work_as_long_as_theirs() -> None:
+    """The container tests wait for an image built during the run: late, but not last, where
+    one worker would run them while the other has nothing left."""
+    seconds = {"tests/big.py": 300.0, "tests/compose.py": 150.0, "tests/m1.py": 100.0,
+               "tests/m2.py": 80.0, "tests/s1.py": 60.0, "tests/s2.py": 50.0,
+               "tests/s3.py": 40.0, "tests/rehearse.py": 20.0}
+    items = _items(*(f"{name}::t" for name in seconds), "tests/new.py::t")
+    parallel.heaviest_first(items, seconds, late={"tests/compose.py", "tests/rehearse.py"})
+    # 170 s held: after them come s1 + s2 + s3 + the unmeasured file (150 s) plus m2 (80 s)
+    assert [item.nodeid.split("::")[0] for item in items] == [
+        "tests/big.py", "tests/m1.py", "tests/compose.py", "tests/rehearse.py", "tests/m2.py",
+        "tests/s1.py", "tests/s2.py", "tests/s3.py", "tests/new.py"]
+
+
+def test_xdist_hands_out_files_in_the_suites_order(pytester, monkeypatch):
+    """xdist's loadfile scheduler reorders files by their number of tests unless told not to:
+    a one-test file that `heaviest_first` puts first must start first."""
+    pytester.makeconftest(
+        "from tests import parallel\n\n"
+        "def pytest_configure(config):\n"
+        "    parallel.keep_file_order(config)\n\n"
+        "def pytest_collection_modifyitems(session, config, items):\n"
+        "    parallel.heaviest_first(items, {'test_heavy.py': 100.0})\n")
+    log = pytester.path / "starts.log"
+    body = ("import os, time\n\n"
+            "def _start(name):\n"
+            f"    with open({str(log)!r}, 'a') as f:\n"
+            "        f.write(name + '\\n')\n"
+            "    time.sleep(0.2)\n\n")
+    pytester.makepyfile(test_heavy=body + "def test_it():\n    _start('heavy')\n")
+    for name in ("a", "b", "c"):
+        tests = "".join(f"def test_{i}():\n    _start('{name}')\n\n" for i in range(3))
+        pytester.makepyfile(**{f"test_many_{name}": body + tests})
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    result = pytester.runpytest_subprocess("-p", "xdist.plugin", "-n", "2", "--dist", "loadfile",
+                                           "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=10)
+    starts = log.read_text().split()
+    # without keep_file_order, the one-test file is handed out last, after the other two files
+    assert "heavy" in starts[:2], starts
+
+
 def test_file_seconds_name_files_that_exist() -> None:
     seconds = parallel.load_file_seconds()
     assert seconds, "tests/file_seconds.json is missing or empty"

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.image_build import WANTED_FILE, ImageBuild, attach, engine_missing
+from tests.parallel import needs_image
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,10 +50,11 @@ def _shared_dir(config) -> Path:
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
-    """Tests that need `forage:cpu` go last, and its build starts now, in the background. In a
-    parallel run (xdist) the controller builds it: a worker only says it is wanted."""
+    """Tests that need `forage:cpu` go last (in a parallel run the root conftest then places
+    them for balance), and its build starts now, in the background. In a parallel run (xdist)
+    the controller builds it: a worker only says it is wanted."""
     global _BUILD
-    needs = [item for item in items if "forage_cpu_image" in getattr(item, "fixturenames", ())]
+    needs = [item for item in items if needs_image(item)]
     if not needs:
         return
     chosen = set(needs)
