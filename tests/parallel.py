@@ -63,26 +63,33 @@ def needs_image(item: pytest.Item) -> bool:
     return IMAGE_FIXTURE in getattr(item, "fixturenames", ())
 
 
+# Where the container tests go: after this share of the other files' measured seconds. The
+# image they wait for was ready about halfway through a run (the controller's summary line says
+# when); `docker compose up` then mostly waits on containers, so it should overlap the other
+# worker's work, not end the run alone.
+LATE_SHARE = 0.7
+
+
 def heaviest_first(items: list[pytest.Item], seconds: dict[str, float],
-                   late: frozenset[str] | set[str] = frozenset()) -> None:
+                   late: frozenset[str] | set[str] = frozenset(),
+                   late_share: float = LATE_SHARE) -> None:
     """Reorder `items` in place so that files run longest-first (items of a file keep their
     order; files with no figure keep their relative order after the measured ones).
 
-    Files in `late` (the container tests, whose image is built during the first ~15 minutes)
-    go as late as balance allows: before the last stretch of other files whose seconds add up
-    to their own, so that while one worker runs them the other has as much left to do. At the
-    very end, the 160-s compose test was the run's last quarter-hour's idle core."""
+    Files in `late` (the container tests, whose image is built during the run) go late but not
+    last: once `late_share` of the other files' seconds come before them. Last, the 150-s
+    compose test ran alone while the other worker had finished: two minutes of a core idle."""
     order: dict[str, int] = {}
     for item in items:
         order.setdefault(file_of(item), len(order))
     files = sorted(order, key=lambda name: (-seconds.get(name, 0.0), order[name]))
     held = [name for name in files if name in late]
     rest = [name for name in files if name not in late]
-    cut, after = len(rest), 0.0
-    need = sum(seconds.get(name, 0.0) for name in held)
-    while cut > 0 and after < need:
-        cut -= 1
-        after += seconds.get(rest[cut], 0.0)
+    before = late_share * sum(seconds.get(name, 0.0) for name in rest)
+    cut, done = 0, 0.0
+    while cut < len(rest) and done < before:
+        done += seconds.get(rest[cut], 0.0)
+        cut += 1
     rank = {name: i for i, name in enumerate(rest[:cut] + held + rest[cut:])}
     items.sort(key=lambda item: rank[file_of(item)])
 
@@ -115,6 +122,7 @@ class Controller:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.build = None
+        self.build_summary = ""
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_xdist_node_collection_finished(self, node, ids) -> None:
@@ -128,7 +136,13 @@ class Controller:
             root.mkdir(exist_ok=True)
             self.build = ImageBuild(root, state_file=state_path(base)).start()
 
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        # after pytest_sessionfinish (the terminal reporter prints its summary last)
+        if self.build_summary:
+            terminalreporter.write_line(self.build_summary)
+
     def pytest_sessionfinish(self, session) -> None:
         if self.build is not None:
+            self.build_summary = self.build.summary()
             self.build.stop()
             self.build = None

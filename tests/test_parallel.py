@@ -4,6 +4,7 @@ one build for all workers, and a worker attaching to the controller's image buil
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,7 @@ from types import SimpleNamespace
 
 from tests import parallel
 from tests.deploy import image_build
+from tests.environ import environ_restored
 
 REPO = Path(__file__).resolve().parents[1]
 pytest_plugins = ["pytester"]
@@ -30,18 +32,22 @@ def test_heaviest_files_first_keeping_each_files_order() -> None:
         "tests/a.py::t2", "tests/d.py::t1"]
 
 
-def test_late_files_go_before_a_stretch_of_other_work_as_long_as_theirs() -> None:
+def test_late_files_go_after_a_share_of_the_other_work() -> None:
     """The container tests wait for an image built during the run: late, but not last, where
     one worker would run them while the other has nothing left."""
     seconds = {"tests/big.py": 300.0, "tests/compose.py": 150.0, "tests/m1.py": 100.0,
                "tests/m2.py": 80.0, "tests/s1.py": 60.0, "tests/s2.py": 50.0,
-               "tests/s3.py": 40.0, "tests/rehearse.py": 20.0}
+               "tests/s3.py": 10.0, "tests/rehearse.py": 20.0}
     items = _items(*(f"{name}::t" for name in seconds), "tests/new.py::t")
-    parallel.heaviest_first(items, seconds, late={"tests/compose.py", "tests/rehearse.py"})
-    # 170 s held: after them come s1 + s2 + s3 + the unmeasured file (150 s) plus m2 (80 s)
+    late = {"tests/compose.py", "tests/rehearse.py"}
+    parallel.heaviest_first(items, seconds, late, late_share=0.7)
+    # others: 600 s; 0.7 of it (420 s) is reached with big + m1 + m2 (480 s)
     assert [item.nodeid.split("::")[0] for item in items] == [
-        "tests/big.py", "tests/m1.py", "tests/compose.py", "tests/rehearse.py", "tests/m2.py",
+        "tests/big.py", "tests/m1.py", "tests/m2.py", "tests/compose.py", "tests/rehearse.py",
         "tests/s1.py", "tests/s2.py", "tests/s3.py", "tests/new.py"]
+    parallel.heaviest_first(items, seconds, late, late_share=1.0)  # after every measured file
+    assert [item.nodeid.split("::")[0] for item in items][-4:] == [
+        "tests/s3.py", "tests/compose.py", "tests/rehearse.py", "tests/new.py"]
 
 
 def test_xdist_hands_out_files_in_the_suites_order(pytester, monkeypatch):
@@ -144,3 +150,28 @@ def test_the_controller_plugin_is_registered_in_a_parallel_run_only(pytester, mo
     parallel_run.stdout.fnmatch_lines(["controller plugin: True"])
     serial_run = pytester.runpytest_subprocess("-p", "xdist.plugin", "-p", "no:cacheprovider")
     serial_run.stdout.fnmatch_lines(["controller plugin: False"])
+
+
+def test_environ_restored_undoes_what_in_process_code_set(monkeypatch) -> None:
+    """What vLLM's CPU platform does to its process (tests/environ.py), undone on exit."""
+    monkeypatch.setenv("FORAGE_TEST_KEPT", "a")
+    monkeypatch.setenv("FORAGE_TEST_CHANGED", "b")
+    monkeypatch.setenv("FORAGE_TEST_REMOVED", "c")
+    monkeypatch.delenv("FORAGE_TEST_ADDED", raising=False)
+    with environ_restored():
+        os.environ["FORAGE_TEST_ADDED"] = "2"
+        os.environ["FORAGE_TEST_CHANGED"] = "x"
+        del os.environ["FORAGE_TEST_REMOVED"]
+    assert "FORAGE_TEST_ADDED" not in os.environ
+    assert [os.environ[k] for k in ("FORAGE_TEST_KEPT", "FORAGE_TEST_CHANGED",
+                                    "FORAGE_TEST_REMOVED")] == ["a", "b", "c"]
+
+
+def test_the_image_builds_summary_says_when_it_was_ready(tmp_path: Path) -> None:
+    build = image_build.ImageBuild(tmp_path)
+    assert "had not finished" in build.summary()
+    build.engine = SimpleNamespace(root=tmp_path, storage_driver="vfs")  # a started engine
+    build.timings = {"engine_s": 2.2, "base_images_s": 15.4, "image_s": 400.0,
+                     "done_after_s": 417.6}
+    assert build.summary() == ("forage:cpu image: ready 418 s after its build started "
+                               "(engine 2 s, base images 15 s, image 400 s)")

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.environ import environ_restored
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -62,7 +64,7 @@ def test_micro_batch_must_divide_the_step(tmp_path: Path) -> None:
         bench.trl_settings(tmp_path, {"train": tmp_path, "test": tmp_path}, tmp_path, 2, 1, 12)
 
 
-def test_grpo_config_accepts_the_settings(tmp_path: Path) -> None:
+def test_grpo_config_accepts_the_settings(tmp_path: Path, monkeypatch) -> None:
     pytest.importorskip("trl", reason="trl is the bench extra (pip install -e '.[bench]'), for "
                         "bench/peer_trl.py only: make install leaves it out")
     from trl import GRPOConfig
@@ -70,7 +72,12 @@ def test_grpo_config_accepts_the_settings(tmp_path: Path) -> None:
     bench = _bench()
     grpo = bench.trl_settings(tmp_path, {"train": tmp_path, "test": tmp_path}, tmp_path, 5, 5,
                               8)["grpo"]
-    config = GRPOConfig(**grpo)
+    # bench/peer_trl.py runs as a plain process. In a test worker an in-process trainer leaves
+    # LOCAL_RANK set (tests/conftest.py), which accelerate reads as a CPU launch of several
+    # processes: it then writes RANK, LOCAL_WORLD_SIZE... and wants a rendezvous address.
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with environ_restored():
+        config = GRPOConfig(**grpo)
     # one generation batch = one optimizer step's 8 groups x 4 completions, as Forage's step
     assert config.generation_batch_size == 32
     assert config.steps_per_generation == config.gradient_accumulation_steps == 4

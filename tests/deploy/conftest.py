@@ -68,11 +68,21 @@ def pytest_collection_modifyitems(session, config, items) -> None:
         _BUILD = ImageBuild(root).start()
 
 
+_BUILD_SUMMARY = ""
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
-    global _BUILD
+    global _BUILD, _BUILD_SUMMARY
     if _BUILD is not None:
+        _BUILD_SUMMARY = _BUILD.summary()
         _BUILD.stop()
         _BUILD = None
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """A serial run's image build times (a parallel run's controller prints its own)."""
+    if _BUILD_SUMMARY:
+        terminalreporter.write_line(_BUILD_SUMMARY)
 
 
 @pytest.fixture(scope="session")

@@ -65,10 +65,15 @@ class ImageBuild:
         self.build_error: str | None = None
         self._cancelled = threading.Event()
         self._child: subprocess.Popen | None = None
+        # seconds per build step and when the image was ready, after start() (the run's summary
+        # prints them: where the suite places the container tests depends on them)
+        self.timings: dict[str, float] = {}
+        self._started = 0.0
         self._thread = threading.Thread(target=self._run, name="forage-image-build",
                                         daemon=True)
 
     def start(self) -> ImageBuild:
+        self._started = time.monotonic()
         if self.state_file is not None:
             _write_state(self.state_file, {"status": "building"})
         self._thread.start()
@@ -78,6 +83,7 @@ class ImageBuild:
         try:
             self._build()
         finally:
+            self.timings["done_after_s"] = time.monotonic() - self._started
             if self.state_file is not None:
                 _write_state(self.state_file, self._state())
 
@@ -102,15 +108,19 @@ class ImageBuild:
                 self.engine_error = f"{type(error).__name__}: {error}"
         except Exception as error:  # noqa: BLE001
             self.engine_error = f"{type(error).__name__}: {error}"
+        self.timings["engine_s"] = time.monotonic() - self._started
         if self.engine is None:
             return
         env = dict(os.environ, **self.engine.env)
         try:
-            for argv, timeout in (
-                (["bash", str(REPO / "deploy" / "local-base-images.sh")], 1800),
-                (["bash", str(REPO / "deploy" / "build-offline.sh"), "forage:cpu"], 2400),
+            for name, argv, timeout in (
+                ("base_images_s", ["bash", str(REPO / "deploy" / "local-base-images.sh")], 1800),
+                ("image_s", ["bash", str(REPO / "deploy" / "build-offline.sh"), "forage:cpu"],
+                 2400),
             ):
+                began = time.monotonic()
                 error = self._step(argv, env, timeout)
+                self.timings[name] = time.monotonic() - began
                 if error:
                     self.build_error = error
                     return
@@ -133,6 +143,17 @@ class ImageBuild:
             return (f"{argv[1]} failed ({self._child.returncode})\n" + out[-3000:]
                     + err[-5000:])
         return None
+
+    def summary(self) -> str:
+        """One line for the run's summary: how long the build took and when it was ready."""
+        if "done_after_s" not in self.timings:
+            return "forage:cpu image: the build had not finished when the run ended"
+        state = self._state()
+        parts = ", ".join(f"{label} {self.timings[key]:.0f} s" for key, label in (
+            ("engine_s", "engine"), ("base_images_s", "base images"), ("image_s", "image"))
+            if key in self.timings)
+        return (f"forage:cpu image: {state['status']} {self.timings['done_after_s']:.0f} s "
+                f"after its build started ({parts})")
 
     def wait(self, timeout: float = BUILD_TIMEOUT_S) -> tuple[Any, str | None]:
         """(engine, None) once `forage:cpu` is built, else (None, why not)."""

@@ -12,6 +12,7 @@ import torch
 from services.common.config import load_config
 from services.rollout.engine import GenerationRequest, SamplingParams
 from tests.conftest import import_or_skip
+from tests.environ import environ_restored
 from tests.rollout.peft_random import random_peft_model
 
 pytestmark = pytest.mark.slow
@@ -27,10 +28,11 @@ def engine(smollm2_dir):
 
     lora = load_config(overrides=[f"model.path={smollm2_dir}", f"learner.lora.rank={RANK}",
                                   "learner.lora.publish=adapter"]).learner.lora
-    eng = VLLMEngine.from_pretrained(str(smollm2_dir), dtype="float32", enforce_eager=True,
-                                     max_batch_size=4, kv_cache_gib=0.5, lora=lora)
-    yield eng
-    eng.close()
+    with environ_restored():  # vLLM sets its own process's environment (tests/environ.py)
+        eng = VLLMEngine.from_pretrained(str(smollm2_dir), dtype="float32", enforce_eager=True,
+                                         max_batch_size=4, kv_cache_gib=0.5, lora=lora)
+        yield eng
+        eng.close()
 
 
 def peft_model(smollm2_dir, seed: int, rank: int = RANK):

@@ -21,6 +21,7 @@ import torch
 from services.common.weight_sync import WeightSyncError, WeightSyncServer
 from services.rollout.engine import GenerationRequest, SamplingParams
 from tests.conftest import import_or_skip
+from tests.environ import environ_restored
 
 from .test_agent_real_model import check_sampled_turns
 from .test_vllm_worker import CorruptingServer
@@ -41,10 +42,11 @@ QUESTION = [{"role": "user", "content": PASSAGE + " Which river is the longest, 
 def engine(smollm2_dir):
     from services.rollout.vllm_engine import VLLMEngine
 
-    eng = VLLMEngine.from_pretrained(str(smollm2_dir), dtype="float32", enforce_eager=True,
-                                     max_batch_size=8, kv_cache_gib=0.5)
-    yield eng
-    eng.close()
+    with environ_restored():  # vLLM sets its own process's environment (tests/environ.py)
+        eng = VLLMEngine.from_pretrained(str(smollm2_dir), dtype="float32", enforce_eager=True,
+                                         max_batch_size=8, kv_cache_gib=0.5)
+        yield eng
+        eng.close()
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import torch
 from services.common.weight_sync import WeightSyncServer
 from services.rollout.engine import GenerationRequest, SamplingParams
 from tests.conftest import import_or_skip
+from tests.environ import environ_restored
 
 from .test_weight_share import one_copy, share_path
 
@@ -31,19 +32,14 @@ PROMPT = [1, 5, 9, 13, 17, 21, 25, 29]
 def engine(tiny_policy_dir):
     from services.rollout.vllm_engine import VLLMEngine
 
-    previous = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core for each rank
-    try:
+    # vLLM sets its own process's environment, here LOCAL_WORLD_SIZE=2 (tests/environ.py)
+    with environ_restored():
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core for each rank
         eng = VLLMEngine.from_pretrained(str(tiny_policy_dir), dtype="float32",
                                          enforce_eager=True, max_batch_size=4,
                                          kv_cache_gib=0.25, tensor_parallel_size=2)
-    finally:
-        if previous is None:
-            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-        else:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = previous
-    yield eng
-    eng.close()
+        yield eng
+        eng.close()
 
 
 def greedy(engine) -> tuple[list[int], list[float]]:
