@@ -71,11 +71,10 @@ def pytest_sessionstart(session) -> None:
         config.pluginmanager.register(parallel.Controller(config), "forage-xdist-controller")
 
 
-@pytest.hookimpl(tryfirst=True)
 @pytest.hookimpl(trylast=True)  # after tests/deploy's, which moves the container tests last
 def pytest_collection_modifyitems(session, config, items) -> None:
-    """In a parallel run, the longest files first, the container tests as late as balance
-    allows (tests/parallel.py); in a serial run tests/deploy's own hook has put them last."""
+    """In a parallel run, the longest files first and the container tests late but not last
+    (tests/parallel.py); in a serial run tests/deploy's own hook has put them last."""
     if parallel.is_worker(config):
         late = {parallel.file_of(item) for item in items if parallel.needs_image(item)}
         parallel.heaviest_first(items, parallel.load_file_seconds(), late)
