@@ -4,7 +4,6 @@ one build for all workers, and a worker attaching to the controller's image buil
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -13,7 +12,6 @@ from types import SimpleNamespace
 
 from tests import parallel
 from tests.deploy import image_build
-from tests.environ import environ_restored
 
 REPO = Path(__file__).resolve().parents[1]
 pytest_plugins = ["pytester"]
@@ -150,21 +148,6 @@ def test_the_controller_plugin_is_registered_in_a_parallel_run_only(pytester, mo
     parallel_run.stdout.fnmatch_lines(["controller plugin: True"])
     serial_run = pytester.runpytest_subprocess("-p", "xdist.plugin", "-p", "no:cacheprovider")
     serial_run.stdout.fnmatch_lines(["controller plugin: False"])
-
-
-def test_environ_restored_undoes_what_in_process_code_set(monkeypatch) -> None:
-    """What vLLM's CPU platform does to its process (tests/environ.py), undone on exit."""
-    monkeypatch.setenv("FORAGE_TEST_KEPT", "a")
-    monkeypatch.setenv("FORAGE_TEST_CHANGED", "b")
-    monkeypatch.setenv("FORAGE_TEST_REMOVED", "c")
-    monkeypatch.delenv("FORAGE_TEST_ADDED", raising=False)
-    with environ_restored():
-        os.environ["FORAGE_TEST_ADDED"] = "2"
-        os.environ["FORAGE_TEST_CHANGED"] = "x"
-        del os.environ["FORAGE_TEST_REMOVED"]
-    assert "FORAGE_TEST_ADDED" not in os.environ
-    assert [os.environ[k] for k in ("FORAGE_TEST_KEPT", "FORAGE_TEST_CHANGED",
-                                    "FORAGE_TEST_REMOVED")] == ["a", "b", "c"]
 
 
 def test_the_image_builds_summary_says_when_it_was_ready(tmp_path: Path) -> None:

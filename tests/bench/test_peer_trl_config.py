@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
-
-from tests.environ import environ_restored
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,7 +64,7 @@ def test_micro_batch_must_divide_the_step(tmp_path: Path) -> None:
         bench.trl_settings(tmp_path, {"train": tmp_path, "test": tmp_path}, tmp_path, 2, 1, 12)
 
 
-def test_grpo_config_accepts_the_settings(tmp_path: Path, monkeypatch) -> None:
+def test_grpo_config_accepts_the_settings(tmp_path: Path) -> None:
     pytest.importorskip("trl", reason="trl is the bench extra (pip install -e '.[bench]'), for "
                         "bench/peer_trl.py only: make install leaves it out")
     from trl import GRPOConfig
@@ -75,8 +75,8 @@ def test_grpo_config_accepts_the_settings(tmp_path: Path, monkeypatch) -> None:
     # bench/peer_trl.py runs as a plain process. In a test worker an in-process trainer leaves
     # LOCAL_RANK set (tests/conftest.py), which accelerate reads as a CPU launch of several
     # processes: it then writes RANK, LOCAL_WORLD_SIZE... and wants a rendezvous address.
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    with environ_restored():
+    with mock.patch.dict(os.environ):
+        os.environ.pop("LOCAL_RANK", None)
         config = GRPOConfig(**grpo)
     # one generation batch = one optimizer step's 8 groups x 4 completions, as Forage's step
     assert config.generation_batch_size == 32

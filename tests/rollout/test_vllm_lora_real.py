@@ -6,13 +6,15 @@ one serving. The bookkeeping's corner cases run against a stand-in in test_vllm_
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import pytest
 import torch
 
 from services.common.config import load_config
 from services.rollout.engine import GenerationRequest, SamplingParams
 from tests.conftest import import_or_skip
-from tests.environ import environ_restored
 from tests.rollout.peft_random import random_peft_model
 
 pytestmark = pytest.mark.slow
@@ -28,7 +30,9 @@ def engine(smollm2_dir):
 
     lora = load_config(overrides=[f"model.path={smollm2_dir}", f"learner.lora.rank={RANK}",
                                   "learner.lora.publish=adapter"]).learner.lora
-    with environ_restored():  # vLLM sets its own process's environment (tests/environ.py)
+    # vLLM's CPU platform writes its own process's environment (LOCAL_WORLD_SIZE, LD_PRELOAD...)
+    # when an engine starts; put back for the worker's later tests (test_vllm_tp_real.py)
+    with mock.patch.dict(os.environ):
         eng = VLLMEngine.from_pretrained(str(smollm2_dir), dtype="float32", enforce_eager=True,
                                          max_batch_size=4, kv_cache_gib=0.5, lora=lora)
         yield eng

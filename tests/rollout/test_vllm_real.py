@@ -15,13 +15,15 @@ What must hold on the engine every GPU user runs:
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import pytest
 import torch
 
 from services.common.weight_sync import WeightSyncError, WeightSyncServer
 from services.rollout.engine import GenerationRequest, SamplingParams
 from tests.conftest import import_or_skip
-from tests.environ import environ_restored
 
 from .test_agent_real_model import check_sampled_turns
 from .test_vllm_worker import CorruptingServer
@@ -42,7 +44,9 @@ QUESTION = [{"role": "user", "content": PASSAGE + " Which river is the longest, 
 def engine(smollm2_dir):
     from services.rollout.vllm_engine import VLLMEngine
 
-    with environ_restored():  # vLLM sets its own process's environment (tests/environ.py)
+    # vLLM's CPU platform writes its own process's environment (LOCAL_WORLD_SIZE, LD_PRELOAD...)
+    # when an engine starts; put back for the worker's later tests (test_vllm_tp_real.py)
+    with mock.patch.dict(os.environ):
         eng = VLLMEngine.from_pretrained(str(smollm2_dir), dtype="float32", enforce_eager=True,
                                          max_batch_size=8, kv_cache_gib=0.5)
         yield eng

@@ -7,6 +7,7 @@ reads it from there, both verify and load their shards, and the learner streams 
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -14,7 +15,6 @@ import torch
 from services.common.weight_sync import WeightSyncServer
 from services.rollout.engine import GenerationRequest, SamplingParams
 from tests.conftest import import_or_skip
-from tests.environ import environ_restored
 
 from .test_weight_share import one_copy, share_path
 
@@ -32,8 +32,12 @@ PROMPT = [1, 5, 9, 13, 17, 21, 25, 29]
 def engine(tiny_policy_dir):
     from services.rollout.vllm_engine import VLLMEngine
 
-    # vLLM sets its own process's environment, here LOCAL_WORLD_SIZE=2 (tests/environ.py)
-    with environ_restored():
+    # vLLM's CPU platform writes its own process's environment when an engine starts
+    # (LOCAL_WORLD_SIZE = the TP size, LD_PRELOAD, VLLM_WORKER_MULTIPROC_METHOD...): right in a
+    # replica, but in a test worker every later test inherited them. LOCAL_WORLD_SIZE=2 with an
+    # in-process trainer's LOCAL_RANK made accelerate take the worker for a two-process launch
+    # (TRL's config test failed: "Tried to launch on distributed with multinode").
+    with mock.patch.dict(os.environ):
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core for each rank
         eng = VLLMEngine.from_pretrained(str(tiny_policy_dir), dtype="float32",
                                          enforce_eager=True, max_batch_size=4,
